@@ -1,0 +1,1 @@
+"""A reference single-controller PPO trainer on Ray."""
