@@ -1,0 +1,162 @@
+"""Dispatch modes: how a call on a role group is split over ranks and collected.
+
+Pure logic, no Ray: :func:`split_call` turns one driver call into per-rank
+arguments, :func:`collect_results` turns per-rank results into the driver's
+return value. The worker group (``group.py``) does the remote part.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from trainer import batch as batch_ops
+
+__all__ = ["Dispatch", "DispatchSpec", "SplitCall", "as_spec", "collect_results", "split_call"]
+
+
+class Dispatch(enum.Enum):
+    """How a method's arguments reach the ranks and how results come back.
+
+    * ``ONE_TO_ALL``: every rank gets the same arguments; returns a list, one
+      result per rank.
+    * ``ALL_TO_ALL``: every argument is a sequence of ``world_size`` items;
+      rank ``i`` gets item ``i`` of each; returns a list, one per rank.
+    * ``DP_SPLIT``: TensorDict arguments are padded to a multiple of the world
+      size (repeating real rows), chunked, one chunk per rank; other arguments
+      go to every rank unchanged. TensorDict results are concatenated and the
+      padding removed; other results come back as a list, one per rank.
+    * ``RANK_ZERO``: only rank 0 runs the method; returns its result. Methods
+      that take part in collectives must not use it (the other ranks would not
+      join); use ``ONE_TO_ALL`` for those.
+    """
+
+    ONE_TO_ALL = "one_to_all"
+    ALL_TO_ALL = "all_to_all"
+    DP_SPLIT = "dp_split"
+    RANK_ZERO = "rank_zero"
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    """A dispatch mode plus whether the driver waits for the result.
+
+    With ``blocking=False`` the proxy returns at once an object whose
+    ``.get()`` waits and gives what the blocking call would have returned.
+    """
+
+    mode: Dispatch
+    blocking: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, Dispatch):
+            raise TypeError(f"DispatchSpec.mode must be a Dispatch, got {self.mode!r}")
+        if not isinstance(self.blocking, bool):
+            raise TypeError(f"DispatchSpec.blocking must be a bool, got {self.blocking!r}")
+
+
+def as_spec(value: Dispatch | DispatchSpec) -> DispatchSpec:
+    """Normalise a dispatch-table entry; raises ``TypeError`` for anything else."""
+    if isinstance(value, DispatchSpec):
+        return value
+    if isinstance(value, Dispatch):
+        return DispatchSpec(value)
+    raise TypeError(f"expected a Dispatch or DispatchSpec, got {type(value).__name__} {value!r}")
+
+
+@dataclass(frozen=True)
+class SplitCall:
+    """Per-rank arguments of one call. ``ranks`` lists the ranks that run it."""
+
+    ranks: tuple[int, ...]
+    args: tuple[tuple[Any, ...], ...]
+    kwargs: tuple[dict[str, Any], ...]
+    pad_size: int = 0
+
+
+def _dp_split(world_size: int, args: tuple, kwargs: dict, method: str) -> SplitCall:
+    sizes = {
+        name: batch_ops.batch_len(value)
+        for name, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]
+        if isinstance(value, TensorDictBase)
+    }
+    if not sizes:
+        raise TypeError(f"{method}: DP_SPLIT needs at least one TensorDict argument, got none")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"{method}: DP_SPLIT TensorDict arguments differ in batch size: {sizes}")
+    pad_size = 0
+
+    def parts(value: Any) -> list[Any]:
+        nonlocal pad_size
+        if not isinstance(value, TensorDictBase):
+            return [value] * world_size
+        padded, pad_size = batch_ops.pad_to_divisor(value, world_size)
+        return batch_ops.chunk(padded, world_size)
+
+    arg_parts = [parts(a) for a in args]
+    kwarg_parts = {k: parts(v) for k, v in kwargs.items()}
+    return SplitCall(
+        ranks=tuple(range(world_size)),
+        args=tuple(tuple(p[r] for p in arg_parts) for r in range(world_size)),
+        kwargs=tuple({k: p[r] for k, p in kwarg_parts.items()} for r in range(world_size)),
+        pad_size=pad_size,
+    )
+
+
+def _all_to_all(world_size: int, args: tuple, kwargs: dict, method: str) -> SplitCall:
+    for name, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        if not isinstance(value, (list, tuple)) or len(value) != world_size:
+            got = (
+                f"length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+            )
+            raise ValueError(
+                f"{method}: ALL_TO_ALL needs {name} to be a list of {world_size} items "
+                f"(one per rank), got {got}"
+            )
+    return SplitCall(
+        ranks=tuple(range(world_size)),
+        args=tuple(tuple(a[r] for a in args) for r in range(world_size)),
+        kwargs=tuple({k: v[r] for k, v in kwargs.items()} for r in range(world_size)),
+    )
+
+
+def split_call(
+    mode: Dispatch,
+    world_size: int,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    method: str = "call",
+) -> SplitCall:
+    """Turn one driver call into per-rank arguments according to ``mode``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    args, kwargs = tuple(args), dict(kwargs)
+    match mode:
+        case Dispatch.ONE_TO_ALL:
+            return SplitCall(tuple(range(world_size)), (args,) * world_size, (kwargs,) * world_size)
+        case Dispatch.ALL_TO_ALL:
+            return _all_to_all(world_size, args, kwargs, method)
+        case Dispatch.DP_SPLIT:
+            return _dp_split(world_size, args, kwargs, method)
+        case Dispatch.RANK_ZERO:
+            return SplitCall((0,), (args,), (kwargs,))
+    raise TypeError(f"{method}: unknown dispatch mode {mode!r}")
+
+
+def collect_results(mode: Dispatch, results: Sequence[Any], pad_size: int = 0) -> Any:
+    """Combine per-rank results (in rank order) into the driver's return value."""
+    results = list(results)
+    match mode:
+        case Dispatch.ONE_TO_ALL | Dispatch.ALL_TO_ALL:
+            return results
+        case Dispatch.RANK_ZERO:
+            return results[0]
+        case Dispatch.DP_SPLIT:
+            if results and all(isinstance(r, TensorDictBase) for r in results):
+                return batch_ops.unpad(batch_ops.concat(results), pad_size)
+            return results
+    raise TypeError(f"unknown dispatch mode {mode!r}")

@@ -1,0 +1,227 @@
+"""Role groups: one handle per role whose methods are built from the dispatch table.
+
+``create_role_groups(manager, {"actor": (ActorWorker, {...}), "critic":
+(CriticWorker, {...})})`` reserves the manager's pools, starts one
+:class:`~trainer.controller.host.WorkerHost` per bundle (shared by every role
+on that pool), constructs each role's worker in those hosts, and returns
+``{role: RoleGroup}``. ``groups["critic"].compute_values(batch)`` then splits
+``batch`` as ``CriticWorker.dispatch`` says, runs on every rank and collects.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from trainer.controller.dispatch import DispatchSpec, collect_results, split_call
+from trainer.controller.errors import WorkerDiedError, WorkerError
+from trainer.controller.host import WorkerHost
+from trainer.controller.resources import RayResourcePool, ResourcePoolManager
+from trainer.controller.worker import Worker, WorkerContext
+
+__all__ = ["PendingCall", "RoleGroup", "create_role_groups"]
+
+
+def _fetch_one(ref: Any, rank: int, role: str, method: str) -> Any:
+    try:
+        return ray.get(ref)
+    except RayTaskError as error:
+        cause = error.cause
+        if isinstance(cause, WorkerError):
+            raise WorkerError(
+                cause.role, cause.rank, cause.method, cause.remote_traceback
+            ) from None
+        raise WorkerError(role, rank, method, str(error)) from None
+    except RayActorError as error:
+        raise WorkerDiedError(role, rank, method, str(error).strip()) from None
+
+
+def _gather(refs: Sequence[Any], ranks: Sequence[int], role: str, method: str) -> list[Any]:
+    """Results of ``refs`` in order; raises on the first failure, whichever rank.
+
+    Takes results as they finish rather than in rank order, so a rank that
+    fails while the others block in a collective is reported at once instead
+    of hanging the driver.
+    """
+    ranks = list(ranks)
+    position = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        if pending:
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            done += more
+        try:
+            values = ray.get(done)
+        except (RayTaskError, RayActorError):
+            values = [_fetch_one(ref, ranks[position[ref]], role, method) for ref in done]
+        for ref, value in zip(done, values, strict=True):
+            results[position[ref]] = value
+    return results
+
+
+class PendingCall:
+    """The result of a non-blocking call; ``.get()`` waits for it."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish = finish
+
+    def get(self) -> Any:
+        """Wait for every rank and return what the blocking call would have returned."""
+        return self._finish()
+
+
+class RoleGroup:
+    """The driver's handle on one role's workers, one per rank.
+
+    For every entry ``name`` of the worker class's dispatch table the group
+    has an attribute ``name``: a function with the worker method's name,
+    docstring and signature (without ``self``) that splits, runs and collects
+    as the table says.
+    """
+
+    def __init__(
+        self, role: str, worker_cls: type[Worker], hosts: Sequence[Any], pool: RayResourcePool
+    ) -> None:
+        self.role = role
+        self.worker_cls = worker_cls
+        self.hosts = list(hosts)
+        self.pool = pool
+        for name, spec in worker_cls.dispatch.items():
+            setattr(self, name, _make_proxy(self, name, spec))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts)
+
+    def call(self, name: str, spec: DispatchSpec, args: tuple, kwargs: dict) -> Any:
+        """Run ``name`` under ``spec``; the proxies call this."""
+        split = split_call(spec.mode, self.world_size, args, kwargs, f"{self.role}.{name}")
+        refs = [
+            self.hosts[rank].call.remote(self.role, name, *split.args[i], **split.kwargs[i])
+            for i, rank in enumerate(split.ranks)
+        ]
+
+        def finish() -> Any:
+            results = _gather(refs, split.ranks, self.role, name)
+            return collect_results(spec.mode, results, split.pad_size)
+
+        return finish() if spec.blocking else PendingCall(finish)
+
+    def shutdown(self) -> None:
+        """Kill this group's processes (shared with roles colocated on the same pool)."""
+        for host in self.hosts:
+            ray.kill(host, no_restart=True)
+
+    def __repr__(self) -> str:
+        return f"RoleGroup(role={self.role!r}, worker={self.worker_cls.__qualname__}, world_size={self.world_size})"
+
+
+def _make_proxy(group: RoleGroup, name: str, spec: DispatchSpec) -> Callable[..., Any]:
+    method = getattr(group.worker_cls, name)
+
+    def proxy(*args: Any, **kwargs: Any) -> Any:
+        return group.call(name, spec, args, kwargs)
+
+    functools.update_wrapper(proxy, method)
+    # Tracebacks print the code object's name, not __name__.
+    code = proxy.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=f"{group.worker_cls.__qualname__}.{name}")
+    proxy.__code__ = code
+    params = list(inspect.signature(method).parameters.values())[1:]
+    proxy.__signature__ = inspect.Signature(params)
+    return proxy
+
+
+def _check_specs(
+    manager: ResourcePoolManager, specs: Mapping[str, tuple[type[Worker], dict]]
+) -> None:
+    for role, spec in specs.items():
+        if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], Mapping)):
+            raise TypeError(f"specs[{role!r}] must be (WorkerClass, kwargs dict), got {spec!r}")
+        cls = spec[0]
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"specs[{role!r}]: {cls!r} is not a Worker subclass")
+        manager.pool_of(role)
+        clashes = sorted(name for name in cls.dispatch if hasattr(RoleGroup, name))
+        if clashes:
+            raise ValueError(
+                f"{cls.__qualname__}.dispatch names {clashes}, which RoleGroup itself uses; rename them"
+            )
+
+
+def create_role_groups(
+    manager: ResourcePoolManager,
+    specs: Mapping[str, tuple[type[Worker], dict[str, Any]]],
+    *,
+    runtime_env: Mapping[str, Any] | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, RoleGroup]:
+    """Start the workers of every role and return one :class:`RoleGroup` per role.
+
+    Roles on the same pool share one process per bundle (rank ``i`` in bundle
+    ``i``); roles on different pools never share a process. Workers are
+    constructed in ``specs`` order, all ranks of a role at once, with
+    ``rank``, ``world_size``, ``master_addr`` and ``master_port`` already set
+    (one rendezvous address per pool, so colocated roles share a process group).
+    """
+    _check_specs(manager, specs)
+    reserved = manager.reserve(timeout_s=timeout_s)
+    pools = list(dict.fromkeys(manager.pool_of(role) for role in specs))
+    hosts: dict[str, list[Any]] = {}
+    try:
+        for name in pools:
+            pool = reserved[name]
+            bundle = pool.pool.bundle()
+            hosts[name] = [
+                WorkerHost.options(
+                    num_cpus=bundle.get("CPU", 0.0),
+                    num_gpus=bundle.get("GPU", 0.0),
+                    runtime_env=dict(runtime_env) if runtime_env else None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=index
+                    ),
+                ).remote(rank, pool.pool.num_threads)
+                for rank, (pg, index) in enumerate(pool.bundles())
+            ]
+        infos = {
+            name: _gather(
+                [h.info.remote() for h in hs],
+                range(len(hs)),
+                "+".join(r for r in specs if manager.pool_of(r) == name),
+                "info",
+            )
+            for name, hs in hosts.items()
+        }
+        groups = {}
+        pending = []
+        for role, (cls, kwargs) in specs.items():
+            name = manager.pool_of(role)
+            hs, rank0 = hosts[name], infos[name][0]
+            refs = [
+                host.add_worker.remote(
+                    role,
+                    cls,
+                    WorkerContext(rank, len(hs), rank0["address"], rank0["free_port"], role),
+                    dict(kwargs),
+                )
+                for rank, host in enumerate(hs)
+            ]
+            pending.append((refs, role))
+            groups[role] = RoleGroup(role, cls, hs, reserved[name])
+        for refs, role in pending:
+            _gather(refs, range(len(refs)), role, "__init__")
+        return groups
+    except BaseException:
+        for hs in hosts.values():
+            for host in hs:
+                ray.kill(host, no_restart=True)
+        raise

@@ -1,0 +1,68 @@
+"""The Ray actor that hosts the workers of every role colocated on one bundle.
+
+One ``WorkerHost`` runs per bundle of a pool. Each role mapped to that pool
+adds its worker object here, so colocated roles share a process (and its
+``torch.distributed`` group and device). The driver reaches a role's method
+through :meth:`WorkerHost.call` with the role name; users only ever see the
+group's proxies, named after the worker methods.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any
+
+import ray
+import torch
+
+from trainer.controller.errors import WorkerError
+from trainer.controller.worker import Worker, WorkerContext, create_worker
+
+__all__ = ["WorkerHost"]
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class WorkerHost:
+    """Hosts ``{role: worker}`` in one process at a fixed rank."""
+
+    def __init__(self, rank: int, num_threads: int | None) -> None:
+        self._rank = rank
+        self._workers: dict[str, Worker] = {}
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+
+    def info(self) -> dict[str, Any]:
+        """Where this process runs: pid, node, address, a free port, GPU ids."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        ctx = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "address": ray.util.get_node_ip_address(),
+            "free_port": port,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "placement_group_id": ctx.get_placement_group_id(),
+            "num_threads": torch.get_num_threads(),
+        }
+
+    def add_worker(
+        self, role: str, cls: type[Worker], context: WorkerContext, kwargs: dict[str, Any]
+    ) -> None:
+        """Construct ``role``'s worker in this process."""
+        if role in self._workers:
+            raise ValueError(f"role {role!r} already has a worker on rank {self._rank}")
+        try:
+            self._workers[role] = create_worker(cls, context, kwargs)
+        except Exception:
+            raise WorkerError(role, self._rank, "__init__", traceback.format_exc()) from None
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``role``'s ``method``; a raised exception comes back as :class:`WorkerError`."""
+        try:
+            return getattr(self._workers[role], method)(*args, **kwargs)
+        except Exception:
+            raise WorkerError(role, self._rank, method, traceback.format_exc()) from None
