@@ -1,0 +1,5 @@
+import sys
+
+from gpusched.cli import main
+
+sys.exit(main())

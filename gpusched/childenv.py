@@ -1,0 +1,105 @@
+"""The environment of a child pytest process, and where its temporary files go."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from gpusched.proctree import TAG_VARIABLE
+
+NETWORK_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse", "fuseblk", "lustre", "gpfs", "9p", "ceph"}
+)
+
+
+def child_env(
+    base: Mapping[str, str],
+    cards: Sequence[str],
+    *,
+    simulated: bool,
+    ray_tmpdir: str,
+    master_port: int,
+    tag: str,
+) -> dict[str, str]:
+    """The child's variables: its cards, a fresh Ray temp dir and port, the job tag.
+
+    ``RAY_ADDRESS`` is removed, never set to "": Ray treats "" as an address and
+    would try to attach instead of starting a local cluster.
+    """
+    env = {key: value for key, value in base.items() if key != "RAY_ADDRESS"}
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(cards)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["RAY_TMPDIR"] = ray_tmpdir
+    env["MASTER_PORT"] = str(master_port)
+    env[TAG_VARIABLE] = tag
+    env["PYTHONUNBUFFERED"] = "1"
+    if simulated:
+        env["GPUSCHED_SIMULATED"] = "1"
+    else:
+        env.pop("GPUSCHED_SIMULATED", None)
+    return env
+
+
+def filesystem_type(path: str, mounts: Iterable[str]) -> str | None:
+    """The type of the filesystem holding ``path``, from lines of ``/proc/mounts``."""
+    best, best_type = "", None
+    target = os.path.realpath(path)
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount_point = parts[1].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, best_type = mount_point, parts[2]
+    return best_type
+
+
+def is_network_fs(fs_type: str | None) -> bool:
+    return fs_type is not None and (
+        fs_type in NETWORK_FILESYSTEMS or fs_type.split(".")[0] in NETWORK_FILESYSTEMS
+    )
+
+
+def local_tmp_root(tmpdir: str | None, mounts: Iterable[str]) -> tuple[str, str | None]:
+    """A short directory on local disk for per-job Ray temp dirs, and a warning if TMPDIR was unfit.
+
+    Ray's socket paths must stay under 107 bytes and Ray hangs on NFS, so a
+    network ``TMPDIR`` is replaced by ``/tmp`` (or ``/dev/shm``).
+    """
+    mounts = list(mounts)
+    candidate = tmpdir or "/tmp"
+    fs_type = filesystem_type(candidate, mounts)
+    if not is_network_fs(fs_type) and len(candidate) <= 40:
+        return candidate, None
+    for fallback in ("/tmp", "/dev/shm"):
+        if os.path.isdir(fallback) and not is_network_fs(filesystem_type(fallback, mounts)):
+            why = f"is on {fs_type}" if is_network_fs(fs_type) else "is too long for Ray's sockets"
+            return fallback, f"TMPDIR={candidate} {why}; per-job RAY_TMPDIR goes under {fallback}"
+    return candidate, f"TMPDIR={candidate} is on {fs_type} and no local fallback was found"
+
+
+def read_mounts() -> list[str]:
+    try:
+        return Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return []
+
+
+class PortPool:
+    """Free TCP ports, never the same one twice in a run (each job's ``MASTER_PORT``)."""
+
+    def __init__(self) -> None:
+        self._given: set[int] = set()
+
+    def take(self) -> int:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in self._given:
+                self._given.add(port)
+                return port
+        raise RuntimeError("no free TCP port found after 100 tries")

@@ -1,0 +1,144 @@
+"""Collection: one ``pytest --collect-only`` subprocess that reports each file's requirement.
+
+The child loads the gpusched plugin, which writes a JSON report to a temporary
+file; that file is removed on every path, the timeout path included. The child
+runs in its own process group and is killed as a tree if it hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+from gpusched.proctree import TAG_VARIABLE, kill_job
+from gpusched.requirements import Requirement
+
+
+class CollectionFailed(RuntimeError):
+    """pytest could not collect at all (usage error, timeout, crash); ``exit_code`` is gpusched's."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class CollectedFile:
+    """One test file: absolute path, requirement, and the ids of its selected tests."""
+
+    path: str
+    requirement: Requirement
+    tests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CollectError:
+    """A file pytest could not collect (syntax error, import error, bad marker)."""
+
+    path: str
+    nodeid: str
+    message: str
+
+
+@dataclass
+class Collection:
+    rootdir: str
+    files: list[CollectedFile] = field(default_factory=list)
+    errors: list[CollectError] = field(default_factory=list)
+    skipped: list[CollectError] = field(default_factory=list)  # whole modules skipped at import
+
+
+def plugin_args() -> list[str]:
+    """``-p gpusched.plugin`` only where the entry point will not load it already.
+
+    Passing it while the ``pytest11`` entry point is active makes pytest fail with
+    "Plugin already registered under a different name".
+    """
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return ["-p", "gpusched.plugin"]
+    registered = any(ep.value == "gpusched.plugin" for ep in entry_points(group="pytest11"))
+    return [] if registered else ["-p", "gpusched.plugin"]
+
+
+def parse_report(payload: dict) -> Collection:
+    """The plugin's JSON report as typed records."""
+    collection = Collection(rootdir=payload["rootdir"])
+    for entry in payload["files"]:
+        collection.files.append(
+            CollectedFile(
+                entry["path"], Requirement(entry["gpus"], entry["memory"]), tuple(entry["tests"])
+            )
+        )
+    for entry in payload["errors"]:
+        collection.errors.append(CollectError(entry["path"], entry["nodeid"], entry["message"]))
+    for entry in payload.get("skipped", []):
+        collection.skipped.append(CollectError(entry["path"], entry["nodeid"], entry["message"]))
+    return collection
+
+
+def collect(paths: Sequence[str], pytest_args: Sequence[str], timeout: float) -> Collection:
+    """Run the collection subprocess and return what it found."""
+    fd, report_path = tempfile.mkstemp(prefix="gpusched-collect-", suffix=".json")
+    os.close(fd)
+    os.unlink(report_path)  # the plugin writes it atomically; absence means it never finished
+    tag = f"collect-{uuid.uuid4().hex[:12]}"
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env[TAG_VARIABLE] = tag
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        *plugin_args(),
+        f"--gpusched-report={report_path}",
+        *pytest_args,
+        *paths,
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        process_group=0,
+        text=True,
+    )
+    try:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(proc.pid, proc.pid, tag, grace=1.0)
+            proc.communicate()
+            raise CollectionFailed(
+                f"collection timed out after {timeout:g}s (--collect-timeout); "
+                "a conftest or test module probably hangs at import",
+                exit_code=3,
+            ) from None
+        if proc.returncode == 4:
+            raise CollectionFailed(f"pytest rejected the arguments:\n{output.strip()}", exit_code=4)
+        try:
+            with open(report_path, encoding="utf-8") as handle:
+                payload = json.load(handle)
+        except FileNotFoundError:
+            raise CollectionFailed(
+                f"collection failed (pytest exit code {proc.returncode}):\n{output[-4000:].strip()}",
+                exit_code=3,
+            ) from None
+        return parse_report(payload)
+    finally:
+        if proc.poll() is None:  # KeyboardInterrupt while waiting
+            kill_job(proc.pid, proc.pid, tag, grace=1.0)
+            proc.wait()
+        for leftover in (report_path, report_path + ".part"):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass

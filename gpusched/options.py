@@ -1,0 +1,222 @@
+"""The options of ``gpusched run`` and ``plan``: one table, three sources, one resolver.
+
+Each option's help is written once, in ``OPTIONS``, and serves the command
+line, the ``[tool.gpusched]`` key of ``pyproject.toml`` and the ``GPUSCHED_*``
+variable. Precedence: command line > environment > pyproject > default. A
+malformed value is a usage error that names where it came from, never a silent
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+
+class UsageError(Exception):
+    """Bad input from the user: gpusched exits with code 4 and this message."""
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _card_list(text: str) -> tuple[str, ...]:
+    cards = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not cards:
+        raise ValueError("names no card (expected e.g. 0,1,3)")
+    return cards
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("is not a boolean (use 1/0, true/false)")
+
+
+def _text(text: str) -> str:
+    return text
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: ``name`` is the attribute, the TOML key and (upper-cased) the variable suffix."""
+
+    name: str
+    flags: tuple[str, ...]
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+    flag: bool = False  # a switch on the command line; "1"/"0" elsewhere
+
+    @property
+    def env(self) -> str:
+        return "GPUSCHED_" + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("gpus", ("--gpus",), _card_list, None, "use only these cards, e.g. 0,1,3", "IDS"),
+    Option(
+        "simulate_gpus",
+        ("--simulate-gpus",),
+        _text,
+        None,
+        "fake cards for machines without GPUs: N or N:80GB,80GB,40GB "
+        "(children still get CUDA_VISIBLE_DEVICES; nothing touches a driver)",
+        "SPEC",
+    ),
+    Option("timeout", ("--timeout",), _positive_float, None, "kill a file after S seconds", "S"),
+    Option(
+        "collect_timeout",
+        ("--collect-timeout",),
+        _positive_float,
+        300.0,
+        "give up collection after S seconds",
+        "S",
+    ),
+    Option(
+        "cpu_slots",
+        ("--cpu-slots",),
+        _positive_int,
+        os.cpu_count() or 1,
+        "CPU-only files run N at a time (default: the number of cores)",
+        "N",
+    ),
+    Option(
+        "kill_grace",
+        ("--kill-grace",),
+        _positive_float,
+        5.0,
+        "seconds between SIGTERM and SIGKILL when a file is killed",
+        "S",
+    ),
+    Option(
+        "per_test_timeout",
+        ("--per-test-timeout",),
+        _positive_float,
+        None,
+        "pytest-timeout limit for each test inside a file (a stack dump, the file goes on)",
+        "S",
+    ),
+    Option("reruns", ("--reruns",), _non_negative_int, 0, "rerun a failed file up to N times", "N"),
+    Option(
+        "exitfirst",
+        ("-x", "--exitfirst"),
+        _bool,
+        False,
+        "start no new file after one fails",
+        flag=True,
+    ),
+    Option("markexpr", ("-m",), _text, None, "only tests matching this mark expression", "EXPR"),
+    Option("keyword", ("-k",), _text, None, "only tests matching this keyword expression", "EXPR"),
+    Option("junitxml", ("--junitxml",), _text, None, "write a merged JUnit XML report", "PATH"),
+    Option("json", ("--json",), _text, None, "write a JSON report", "PATH"),
+)
+
+PLAN_OPTIONS = frozenset(
+    {"gpus", "simulate_gpus", "collect_timeout", "cpu_slots", "markexpr", "keyword"}
+)
+
+
+def add_options(parser: argparse.ArgumentParser, names: frozenset[str] | None = None) -> None:
+    """Add the options (all, or those in ``names``) to an argparse parser, parsed later by ``resolve``."""
+    group = parser.add_argument_group(
+        "options (also [tool.gpusched] keys and GPUSCHED_* variables)"
+    )
+    for option in OPTIONS:
+        if names is not None and option.name not in names:
+            continue
+        text = f"{option.help} [{option.env}]"
+        if option.flag:
+            group.add_argument(
+                *option.flags, dest=option.name, action="store_const", const="1", help=text
+            )
+        else:
+            group.add_argument(*option.flags, dest=option.name, metavar=option.metavar, help=text)
+
+
+def find_pyproject(start: Path) -> Path | None:
+    for directory in [start, *start.parents]:
+        candidate = directory / "pyproject.toml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_table(pyproject: Path | None) -> dict[str, Any]:
+    """``[tool.gpusched]`` without its ``gpus`` globs (the plugin reads those)."""
+    if pyproject is None:
+        return {}
+    try:
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"{pyproject}: {exc}") from None
+    table = dict(data.get("tool", {}).get("gpusched", {}))
+    table.pop("gpus", None)
+    return table
+
+
+def resolve(
+    cli: Mapping[str, str | None],
+    env: Mapping[str, str],
+    table: Mapping[str, Any],
+    names: frozenset[str] | None = None,
+    table_source: str = "pyproject.toml",
+) -> dict[str, Any]:
+    """Each option's value from the first source that sets it; bad values name their source."""
+    options = [option for option in OPTIONS if names is None or option.name in names]
+    known = {option.name for option in OPTIONS}
+    unknown = sorted(set(table) - known - {"gpus"})
+    if unknown:
+        raise UsageError(f"[tool.gpusched] in {table_source}: unknown key(s) {', '.join(unknown)}")
+    values: dict[str, Any] = {}
+    for option in options:
+        candidates = (
+            (cli.get(option.name), "/".join(option.flags)),
+            (env.get(option.env), option.env),
+            (table.get(option.name), f"[tool.gpusched] {option.name} in {table_source}"),
+        )
+        for raw, source in candidates:
+            if raw is None or (source == option.env and raw == ""):
+                continue
+            text = str(raw).lower() if isinstance(raw, bool) else str(raw)
+            try:
+                values[option.name] = option.parse(text)
+            except ValueError as exc:
+                detail = (
+                    str(exc)
+                    if "invalid literal" not in str(exc) and "could not convert" not in str(exc)
+                    else "is not a number"
+                )
+                raise UsageError(f"{source}: {raw!r} {detail}") from None
+            break
+        else:
+            values[option.name] = option.default
+    return values

@@ -1,0 +1,275 @@
+"""The pytest plugin: GPU markers, ``-m gpu2`` keywords, skips, and reports for the scheduler.
+
+Loaded by plain ``pytest`` through the ``pytest11`` entry point, so markers and
+skips work without gpusched. Under ``gpusched`` it also writes the collection
+report (``--gpusched-report``) and streams each test's outcome as it finishes
+(``--gpusched-results``), so a child that is killed or crashes keeps the
+outcomes of the tests it finished. All plugin state lives in ``config.stash``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import tomllib
+
+from gpusched.inventory import visible_gpu_count
+from gpusched.requirements import (
+    SHORTHAND_MARKERS,
+    Requirement,
+    RequirementError,
+    requirement_from_glob_value,
+    requirement_from_marker,
+)
+
+MARKER_HELP = {
+    "gpu": "gpu(n, memory=None): the test needs n GPUs, each with at least `memory` "
+    "(e.g. '40GB'); skipped when fewer are visible",
+    **{name: f"{name}: shorthand for gpu({n})" for name, n in SHORTHAND_MARKERS.items()},
+}
+GPU_MARKERS = frozenset(MARKER_HELP)
+
+
+@dataclass
+class _State:
+    """Everything the plugin remembers during one session."""
+
+    globs: dict[str, Requirement] = field(default_factory=dict)
+    requirements: dict[str, Requirement] = field(default_factory=dict)
+    errors: list[dict[str, str]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    selected: list[pytest.Item] = field(default_factory=list)
+    visible: int | None = None
+    results: IO[str] | None = None
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+STATE = pytest.StashKey[_State]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpusched", "GPU scheduling (used by the gpusched command)")
+    group.addoption(
+        "--gpusched-report",
+        metavar="PATH",
+        help="write each collected file's GPU requirement and test ids as JSON to PATH",
+    )
+    group.addoption(
+        "--gpusched-results",
+        metavar="PATH",
+        help="append one JSON line per test outcome to PATH, as each test finishes",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for text in MARKER_HELP.values():
+        config.addinivalue_line("markers", text)
+    state = _State(globs=_load_globs(config))
+    results = config.getoption("gpusched_results", None)
+    if results:
+        state.results = open(results, "a", encoding="utf-8")  # noqa: SIM115 - closed at unconfigure
+    config.stash[STATE] = state
+    config.pluginmanager.register(_SessionHooks(config), "gpusched-session")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state is not None and state.results is not None:
+        state.results.close()
+        state.results = None
+
+
+def _load_globs(config: pytest.Config) -> dict[str, Requirement]:
+    pyproject = Path(config.rootpath) / "pyproject.toml"
+    if not pyproject.is_file():
+        return {}
+    try:
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise pytest.UsageError(f"{pyproject}: cannot read [tool.gpusched.gpus]: {exc}") from None
+    table = data.get("tool", {}).get("gpusched", {}).get("gpus", {})
+    if not isinstance(table, dict):
+        raise pytest.UsageError(
+            f"{pyproject}: [tool.gpusched.gpus] must be a table of glob = count"
+        )
+    try:
+        return {
+            pattern: requirement_from_glob_value(pattern, value) for pattern, value in table.items()
+        }
+    except RequirementError as exc:
+        raise pytest.UsageError(f"{pyproject}: {exc}") from None
+
+
+def item_requirement(item: pytest.Item, globs: dict[str, Requirement]) -> Requirement:
+    """A test's requirement: its GPU markers if it has any, else the first matching path glob."""
+    marks = [mark for mark in item.iter_markers() if mark.name in GPU_MARKERS]
+    if marks:
+        requirement = Requirement()
+        for mark in marks:
+            try:
+                requirement = requirement.combine(
+                    requirement_from_marker(mark.name, mark.args, mark.kwargs)
+                )
+            except RequirementError as exc:
+                raise RequirementError(f"{item.nodeid}: {exc}") from None
+        return requirement
+    try:
+        relative = Path(item.path).resolve().relative_to(Path(item.config.rootpath).resolve())
+    except ValueError:  # a test file outside the rootdir: no glob can name it
+        return Requirement()
+    for pattern, requirement in globs.items():
+        if fnmatch.fnmatch(relative.as_posix(), pattern):
+            return requirement
+    return Requirement()
+
+
+class _SessionHooks:
+    """Hooks that pytest calls without a config; this object carries it. State stays in the stash."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @property
+    def state(self) -> _State:
+        return self.config.stash[STATE]
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector: pytest.Collector):
+        """Turn a bad GPU marker into a collection error of its file, naming test and marker."""
+        report = yield
+        if report.outcome != "passed" or not report.result:
+            return report
+        problems = []
+        for node in report.result:
+            if not isinstance(node, pytest.Item):
+                continue
+            try:
+                requirement = item_requirement(node, self.state.globs)
+            except RequirementError as exc:
+                problems.append(str(exc))
+                continue
+            self.state.requirements[node.nodeid] = requirement
+            if requirement.gpus:
+                node.add_marker("gpu")
+                node.add_marker(f"gpu{requirement.gpus}")
+        if problems:
+            report.outcome = "failed"
+            report.longrepr = "bad GPU marker:\n" + "\n".join(problems)
+            report.result = []
+        return report
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        path = str((Path(self.config.rootpath) / report.nodeid.split("::")[0]).resolve())
+        if report.failed:
+            self.state.errors.append(
+                {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr)}
+            )
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            self.state.skipped.append(
+                {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr[2])}
+            )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        self.state.selected = list(items)
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        path = self.config.getoption("gpusched_report", None)
+        if path:
+            _write_report(self.config, self.state, Path(path))
+        _emit(self.state, {"event": "finish", "exitstatus": int(exitstatus)})
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        needed = self.state.requirements.get(item.nodeid, Requirement()).gpus
+        if not needed:
+            return
+        if self.state.visible is None:
+            self.state.visible = visible_gpu_count()
+        if needed > self.state.visible:
+            pytest.skip(f"needs {needed} GPUs, {self.state.visible} visible")
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        _emit(self.state, {"event": "start", "nodeid": nodeid})
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Fold setup/call/teardown into one outcome per test and stream it at teardown."""
+        if self.state.results is None:
+            return
+        phase = self.state.phases.setdefault(
+            report.nodeid, {"outcome": None, "duration": 0.0, "message": ""}
+        )
+        phase["duration"] += report.duration
+        outcome = _phase_outcome(report)
+        if outcome is not None and _RANK[outcome] > _RANK.get(phase["outcome"], -1):
+            phase["outcome"] = outcome
+            phase["message"] = _message(report)
+        if report.when == "teardown":
+            del self.state.phases[report.nodeid]
+            _emit(
+                self.state,
+                {
+                    "event": "result",
+                    "nodeid": report.nodeid,
+                    "outcome": phase["outcome"] or "passed",
+                    "duration": round(phase["duration"], 6),
+                    "message": phase["message"],
+                },
+            )
+
+
+def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
+    """Write the collection report atomically: the scheduler never reads half a file."""
+    files: dict[str, dict[str, Any]] = {}
+    for item in state.selected:
+        requirement = state.requirements.get(item.nodeid, Requirement())
+        entry = files.setdefault(
+            str(Path(item.path).resolve()), {"gpus": 0, "memory": None, "tests": []}
+        )
+        combined = Requirement(entry["gpus"], entry["memory"]).combine(requirement)
+        entry["gpus"], entry["memory"] = combined.gpus, combined.memory
+        entry["tests"].append(item.nodeid)
+    payload = {
+        "rootdir": str(config.rootpath),
+        "files": [{"path": p, **entry} for p, entry in files.items()],
+        "errors": state.errors,
+        "skipped": state.skipped,
+    }
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(payload), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+
+
+def _phase_outcome(report: pytest.TestReport) -> str | None:
+    if report.when == "call":
+        if report.skipped:
+            return "skipped"  # skipped or xfailed
+        return "failed" if report.failed else "passed"
+    if report.failed:
+        return "error"
+    if report.skipped:
+        return "skipped"
+    return None
+
+
+def _message(report: pytest.TestReport) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2])
+    if report.failed:
+        return report.longreprtext[-4000:]
+    return ""
+
+
+def _emit(state: _State, record: dict[str, Any]) -> None:
+    if state.results is not None:
+        state.results.write(json.dumps(record) + "\n")
+        state.results.flush()

@@ -1,0 +1,156 @@
+"""Outcomes of files and tests, and the pure rules that turn a child's exit into them."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """What happened to one file."""
+
+    PASSED = "PASSED"
+    FAILED = "FAILED"
+    FLAKY = "FLAKY"  # failed, then passed on a rerun
+    ERROR = "ERROR"  # could not be collected, or pytest itself failed
+    TIMEOUT = "TIMEOUT"
+    CRASHED = "CRASHED"
+    INTERRUPTED = "INTERRUPTED"
+    NOT_RUN = "NOT RUN"
+    SKIPPED = "SKIPPED"
+
+
+FAILING = frozenset({Outcome.FAILED, Outcome.ERROR, Outcome.TIMEOUT, Outcome.CRASHED})
+
+
+@dataclass
+class TestResult:
+    """One test's outcome: passed, failed, error, skipped, timeout, crashed or not run."""
+
+    nodeid: str
+    outcome: str
+    duration: float = 0.0
+    message: str = ""
+
+
+@dataclass
+class FileResult:
+    """One file's run. ``start``/``end`` are seconds since the run began."""
+
+    path: str
+    outcome: Outcome
+    cards: tuple[str, ...] = ()
+    start: float = 0.0
+    end: float = 0.0
+    returncode: int | None = None
+    tests: list[TestResult] = field(default_factory=list)
+    log: str | None = None
+    message: str = ""
+    attempts: int = 1
+    swept: int = 0
+
+    @property
+    def duration(self) -> float:
+        return max(0.0, self.end - self.start)
+
+    def counts(self) -> dict[str, int]:
+        tally: dict[str, int] = {}
+        for test in self.tests:
+            tally[test.outcome] = tally.get(test.outcome, 0) + 1
+        return tally
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["outcome"] = str(self.outcome)
+        data["duration"] = round(self.duration, 3)
+        return data
+
+
+def read_events(lines: Iterable[str]) -> tuple[list[TestResult], str | None, int | None]:
+    """Tests finished, the test started but never finished, and pytest's exit status if it ended.
+
+    Reads the plugin's stream; a torn last line (the child died mid-write) is ignored.
+    """
+    finished: dict[str, TestResult] = {}
+    running: str | None = None
+    exitstatus: int | None = None
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        kind = event.get("event")
+        if kind == "start":
+            running = event["nodeid"]
+        elif kind == "result":
+            finished[event["nodeid"]] = TestResult(
+                event["nodeid"], event["outcome"], event["duration"], event["message"]
+            )
+            if running == event["nodeid"]:
+                running = None
+        elif kind == "finish":
+            exitstatus = event["exitstatus"]
+    return list(finished.values()), running, exitstatus
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def judge(
+    path: str,
+    expected_tests: Iterable[str],
+    returncode: int,
+    events: Iterable[str],
+    *,
+    timed_out: float | None = None,
+    interrupted: bool = False,
+) -> FileResult:
+    """The file's outcome from its exit and its event stream.
+
+    A child that ended without pytest's own finish event crashed (signal,
+    ``os._exit``, ``abort``), whatever its exit code; the test it was running
+    is charged with the crash, the tests it finished keep their outcomes, and
+    the tests it never reached are NOT RUN.
+    """
+    tests, running, exitstatus = read_events(events)
+    reached = {test.nodeid for test in tests} | ({running} if running else set())
+    unreached = [nodeid for nodeid in expected_tests if nodeid not in reached]
+    result = FileResult(path, Outcome.PASSED, returncode=returncode, tests=tests)
+    if interrupted:
+        result.outcome, result.message = Outcome.INTERRUPTED, "interrupted by the user"
+        blame = "not run"
+    elif timed_out is not None:
+        result.outcome = Outcome.TIMEOUT
+        result.message = f"timed out after {timed_out:g}s" + (f" in {running}" if running else "")
+        blame = "timeout"
+    elif exitstatus is None:
+        result.outcome = Outcome.CRASHED
+        result.message = describe_exit(returncode) + (f" during {running}" if running else "")
+        blame = "crashed"
+    else:
+        outcomes = {test.outcome for test in tests}
+        if exitstatus in (0, 5) and not outcomes & {"failed", "error"}:
+            result.outcome = Outcome.PASSED
+        elif exitstatus in (0, 1) or outcomes & {"failed", "error"}:
+            result.outcome = Outcome.FAILED
+        else:
+            result.outcome = Outcome.ERROR
+            result.message = f"pytest exited with code {exitstatus}"
+            if not tests:
+                result.tests.append(TestResult(path, "error", 0.0, result.message))
+        return result
+    if running:
+        result.tests.append(TestResult(running, blame, 0.0, result.message))
+    elif blame != "not run":
+        result.tests.append(TestResult(path, blame, 0.0, result.message))
+    result.tests.extend(TestResult(nodeid, "not run") for nodeid in unreached)
+    return result

@@ -1,0 +1,348 @@
+"""The asyncio runner: applies the policy's decisions by starting and killing real processes.
+
+One task per running file; the main loop consumes one queue of typed events
+(``Started``, ``Finished``, ``Interrupt``) and asks the policy what to start
+next. Timeouts, crashes, leftover processes and interrupts are handled here;
+the policy only hears "this job is done, these cards are free".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from gpusched.childenv import PortPool, child_env
+from gpusched.collect import plugin_args
+from gpusched.proctree import kill_job
+from gpusched.results import FAILING, FileResult, Outcome, TestResult, judge
+from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How to run each file; built once by the session from the resolved options."""
+
+    pytest_args: tuple[str, ...]
+    timeout: float | None
+    kill_grace: float
+    simulated: bool
+    log_dir: Path
+    work_dir: Path  # streams of the children; the session removes it
+    tmp_root: str  # per-job RAY_TMPDIR parent, on local disk
+    run_id: str
+    reruns: int = 0
+    exitfirst: bool = False
+    rootdir: str = "."
+
+
+@dataclass(frozen=True)
+class Started:
+    job: Job
+    cards: tuple[str, ...]
+    pid: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    job: Job
+    result: FileResult
+    pids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    signum: int
+
+
+Event = Started | Finished | Interrupt
+
+
+class Reporter(Protocol):
+    """Who hears about progress (console, live view); called from the runner's loop only."""
+
+    def started(self, job: Job, cards: tuple[str, ...], attempt: int) -> None: ...
+
+    def finished(self, result: FileResult) -> None: ...
+
+    def interrupting(self, signum: int, second: bool) -> None: ...
+
+
+class CardReleaser(Protocol):
+    """Decides when a job's cards may be handed out again (NVML on real cards)."""
+
+    async def release(self, cards: tuple[str, ...], pids: frozenset[int]) -> list[str]:
+        """Wait until the cards are free; return the ids that never came back (quarantined)."""
+        ...
+
+
+class ImmediateRelease:
+    """Simulated cards hold no memory: they are free as soon as the job's processes are gone."""
+
+    async def release(self, cards: tuple[str, ...], pids: frozenset[int]) -> list[str]:
+        return []
+
+
+@dataclass
+class RunReport:
+    """What the runner produced, for the reports."""
+
+    results: list[FileResult] = field(default_factory=list)
+    interrupted: bool = False
+    quarantined: list[str] = field(default_factory=list)
+
+
+def log_name(path: str, rootdir: str) -> str:
+    try:
+        relative = os.path.relpath(path, rootdir)
+    except ValueError:
+        relative = path
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", relative).strip("_") + ".log"
+
+
+class Runner:
+    """Runs jobs until none is pending or running, or until interrupted."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        policy: Policy,
+        tests: Mapping[str, Sequence[str]],
+        reporter: Reporter,
+        releaser: CardReleaser | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.tests = tests
+        self.reporter = reporter
+        self.releaser = releaser or ImmediateRelease()
+        self.clock = clock
+        self.t0 = clock()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.attempts: dict[int, int] = {}
+        self.first_failures: dict[int, FileResult] = {}
+        self.hurry = threading.Event()
+        self.ports = PortPool()
+        self.report = RunReport()
+        self.stopping = False
+
+    async def run(self, jobs: Sequence[Job]) -> RunReport:
+        self.policy.submit(jobs)
+        loop = asyncio.get_running_loop()
+        installed = []
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, self._on_signal, signum)
+                installed.append(signum)
+            except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+                pass
+        try:
+            await self._loop()
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            # Cancelled from outside (asyncio.run's own Ctrl-C handling, an embedding
+            # caller) or a KeyboardInterrupt that slipped past the handlers: same as Ctrl-C.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self._interrupt(signal.SIGINT)
+            await self._drain()
+        finally:
+            for signum in installed:
+                loop.remove_signal_handler(signum)
+        for job in self.policy.cancel_pending():
+            self.report.results.append(
+                FileResult(
+                    job.path,
+                    Outcome.NOT_RUN,
+                    tests=[],
+                    message="not started (interrupted)"
+                    if self.report.interrupted
+                    else "not started (-x)",
+                )
+            )
+            self.report.results[-1].tests = [
+                _not_run(nodeid) for nodeid in self.tests.get(job.path, ())
+            ]
+        return self.report
+
+    def _on_signal(self, signum: int) -> None:
+        self.events.put_nowait(Interrupt(signum))
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.stopping:
+                self._start_what_fits()
+            if not self.tasks and (self.stopping or not self.policy.has_pending):
+                return
+            event = await self.events.get()
+            match event:
+                case Started(job, cards, _pid, attempt):
+                    self.reporter.started(job, cards, attempt)
+                case Finished(job, result, pids):
+                    await self._finished(job, result, pids)
+                case Interrupt(signum):
+                    self._interrupt(signum)
+
+    def _interrupt(self, signum: int) -> None:
+        second = self.report.interrupted
+        self.reporter.interrupting(signum, second)
+        if second:
+            self.hurry.set()  # a second Ctrl-C: no grace period for anyone
+        self.report.interrupted = True
+        self.stopping = True
+        for task in self.tasks.values():
+            task.cancel()
+
+    async def _drain(self) -> None:
+        """After an outside cancellation: collect the killed jobs' results."""
+        while self.tasks:
+            event = await self.events.get()
+            if isinstance(event, Finished):
+                self.tasks.pop(event.job.id, None)
+                self.policy.complete(event.job.id)
+                self._record(event.result)
+
+    def _start_what_fits(self) -> None:
+        for decision in self.policy.schedule():
+            match decision:
+                case Assignment(job, cards):
+                    attempt = self.attempts.get(job.id, 0) + 1
+                    self.attempts[job.id] = attempt
+                    card_ids = tuple(card.id for card in cards)
+                    self.tasks[job.id] = asyncio.create_task(self._run_job(job, card_ids, attempt))
+                case Unschedulable(job, reason):
+                    self._record(
+                        FileResult(
+                            job.path,
+                            Outcome.SKIPPED,
+                            message=reason,
+                            tests=[
+                                _skipped(nodeid, reason) for nodeid in self.tests.get(job.path, ())
+                            ],
+                        )
+                    )
+
+    async def _finished(self, job: Job, result: FileResult, pids: frozenset[int]) -> None:
+        self.tasks.pop(job.id, None)
+        quarantined = await self.releaser.release(result.cards, pids) if result.cards else []
+        self.report.quarantined.extend(quarantined)
+        self.policy.complete(job.id, quarantined)
+        attempt = self.attempts[job.id]
+        if result.outcome in FAILING and attempt <= self.config.reruns and not self.stopping:
+            self.first_failures.setdefault(job.id, result)
+            self.reporter.finished(result)
+            self.policy.submit([job])
+            return
+        if job.id in self.first_failures:
+            first = self.first_failures.pop(job.id)
+            result.attempts = attempt
+            if result.outcome == Outcome.PASSED:
+                result.outcome = Outcome.FLAKY
+                result.message = f"passed on attempt {attempt} after {first.outcome.lower()}"
+        self._record(result)
+        if self.config.exitfirst and result.outcome in FAILING:
+            self.stopping = True
+
+    def _record(self, result: FileResult) -> None:
+        self.report.results.append(result)
+        self.reporter.finished(result)
+
+    async def _run_job(self, job: Job, cards: tuple[str, ...], attempt: int) -> None:
+        config = self.config
+        tag = f"{config.run_id}-{job.id}-{attempt}"
+        stream = config.work_dir / f"{job.id}-{attempt}.jsonl"
+        log_path = config.log_dir / log_name(job.path, config.rootdir)
+        ray_tmpdir = tempfile.mkdtemp(prefix="gs", dir=config.tmp_root)
+        env = child_env(
+            os.environ,
+            cards,
+            simulated=config.simulated,
+            ray_tmpdir=ray_tmpdir,
+            master_port=self.ports.take(),
+            tag=tag,
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            job.path,
+            *plugin_args(),
+            f"--gpusched-results={stream}",
+            *config.pytest_args,
+        ]
+        start = self.clock() - self.t0
+        timed_out: float | None = None
+        interrupted = False
+        proc = None
+        pids: set[int] = set()
+        try:
+            with open(log_path, "wb") as log:
+                proc = await asyncio.create_subprocess_exec(
+                    *command,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    env=env,
+                    process_group=0,
+                )
+            self.events.put_nowait(Started(job, cards, proc.pid, attempt))
+            try:
+                await asyncio.wait_for(proc.wait(), config.timeout)
+            except TimeoutError:
+                timed_out = config.timeout
+            kill = await asyncio.to_thread(
+                kill_job, proc.pid, proc.pid, tag, config.kill_grace, self.hurry
+            )
+            await proc.wait()
+        except asyncio.CancelledError:
+            interrupted = True
+            if proc is not None:
+                kill = await asyncio.to_thread(
+                    kill_job, proc.pid, proc.pid, tag, config.kill_grace, self.hurry
+                )
+                await proc.wait()
+        finally:
+            shutil.rmtree(ray_tmpdir, ignore_errors=True)
+        if proc is not None:
+            pids.add(proc.pid)
+        try:
+            lines = stream.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            lines = []
+        result = judge(
+            job.path,
+            self.tests.get(job.path, ()),
+            proc.returncode if proc is not None else -1,
+            lines,
+            timed_out=timed_out,
+            interrupted=interrupted,
+        )
+        result.cards, result.start, result.end = cards, start, self.clock() - self.t0
+        result.log, result.attempts = str(log_path), attempt
+        if proc is not None:
+            if timed_out is None and not interrupted:
+                result.swept = kill.found  # left behind by tests after pytest itself exited
+            if kill.survivors:
+                result.message += f" ({len(kill.survivors)} process(es) could not be killed)"
+        self.events.put_nowait(Finished(job, result, frozenset(pids)))
+
+
+def _not_run(nodeid: str) -> TestResult:
+    return TestResult(nodeid, "not run")
+
+
+def _skipped(nodeid: str, reason: str) -> TestResult:
+    return TestResult(nodeid, "skipped", 0.0, reason)

@@ -1,0 +1,26 @@
+"""Scheduling policy: which file runs on which cards, as pure data in and out.
+
+Nothing here starts a process or reads a file; the asyncio runner
+(``gpusched.runner``) applies the decisions.
+"""
+
+from gpusched.scheduler.packing import (
+    Assignment,
+    Decision,
+    Job,
+    Packer,
+    Policy,
+    Unschedulable,
+)
+from gpusched.scheduler.simulate import PlannedRun, simulate
+
+__all__ = [
+    "Assignment",
+    "Decision",
+    "Job",
+    "Packer",
+    "PlannedRun",
+    "Policy",
+    "Unschedulable",
+    "simulate",
+]

@@ -1,0 +1,174 @@
+"""Greedy packing of test files onto cards: largest first, best fit on memory.
+
+Whenever cards free up, the policy starts the largest pending job that fits
+(most GPUs, then longest expected duration, then file order) on the free cards
+with the least sufficient memory, and repeats until nothing fits. CPU files run
+on CPU slots at the same time. A job that can never fit is handed back as
+``Unschedulable`` with the reason instead of being waited for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpusched.inventory import Card
+from gpusched.requirements import Requirement, format_memory
+
+
+@dataclass(frozen=True)
+class Job:
+    """One test file to run. ``id`` is its position in file order; ``expected`` is in seconds."""
+
+    id: int
+    path: str
+    requirement: Requirement
+    expected: float = 1.0
+
+    @property
+    def gpus(self) -> int:
+        return self.requirement.gpus
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Start ``job`` now on ``cards`` (empty for a CPU job, which takes one CPU slot)."""
+
+    job: Job
+    cards: tuple[Card, ...]
+
+
+@dataclass(frozen=True)
+class Unschedulable:
+    """``job`` can never run on this inventory; report it as skipped with ``reason``."""
+
+    job: Job
+    reason: str
+
+
+Decision = Assignment | Unschedulable
+
+
+class Policy(Protocol):
+    """What the runner needs from a scheduling policy."""
+
+    def submit(self, jobs: Iterable[Job]) -> None: ...
+
+    def schedule(self) -> list[Decision]: ...
+
+    def complete(self, job_id: int, quarantined: Iterable[str] = ()) -> None: ...
+
+    def cancel_pending(self) -> list[Job]: ...
+
+    @property
+    def has_pending(self) -> bool: ...
+
+
+def _priority(job: Job) -> tuple[int, float, int]:
+    return (-job.gpus, -job.expected, job.id)
+
+
+def _fits(card: Card, memory: int | None) -> bool:
+    # A card of unknown memory (simulated without sizes) satisfies any minimum.
+    return memory is None or card.memory is None or card.memory >= memory
+
+
+class Packer:
+    """The default policy. Called by the runner only; every method is O(jobs x cards)."""
+
+    def __init__(self, cards: Sequence[Card], cpu_slots: int) -> None:
+        if cpu_slots < 1:
+            raise ValueError(f"cpu_slots must be at least 1, got {cpu_slots}")
+        self._order = {card.id: i for i, card in enumerate(cards)}
+        self._usable: dict[str, Card] = {card.id: card for card in cards}
+        self._free: dict[str, Card] = dict(self._usable)
+        self._cpu_free = cpu_slots
+        self._pending: list[Job] = []
+        self._running: dict[int, Assignment] = {}
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def running(self) -> dict[int, Assignment]:
+        return dict(self._running)
+
+    def submit(self, jobs: Iterable[Job]) -> None:
+        self._pending.extend(jobs)
+        self._pending.sort(key=_priority)
+
+    def schedule(self) -> list[Decision]:
+        """Decisions to apply now; the runner reports back through ``complete``."""
+        decisions: list[Decision] = []
+        still_pending: list[Job] = []
+        for job in self._pending:
+            reason = self._never_fits(job)
+            if reason:
+                decisions.append(Unschedulable(job, reason))
+                continue
+            cards = self._best_fit(job)
+            if cards is None:
+                still_pending.append(job)
+                continue
+            if job.gpus == 0:
+                self._cpu_free -= 1
+            for card in cards:
+                del self._free[card.id]
+            assignment = Assignment(job, cards)
+            self._running[job.id] = assignment
+            decisions.append(assignment)
+        self._pending = still_pending
+        return decisions
+
+    def complete(self, job_id: int, quarantined: Iterable[str] = ()) -> None:
+        """Called by the runner once no process of the job remains: its cards and slot are free.
+
+        Cards in ``quarantined`` did not come back (memory still held) and are
+        never handed out again in this run.
+        """
+        assignment = self._running.pop(job_id)
+        bad = set(quarantined)
+        for card_id in bad:
+            self._usable.pop(card_id, None)
+        for card in assignment.cards:
+            if card.id not in bad:
+                self._free[card.id] = card
+        if not assignment.cards:
+            self._cpu_free += 1
+
+    def cancel_pending(self) -> list[Job]:
+        """Drop every job not yet started (interrupt, ``-x``) and return them in file order."""
+        dropped, self._pending = self._pending, []
+        return sorted(dropped, key=lambda job: job.id)
+
+    def _never_fits(self, job: Job) -> str | None:
+        if job.gpus == 0:
+            return None
+        memory = job.requirement.memory
+        able = sum(1 for card in self._usable.values() if _fits(card, memory))
+        if able >= job.gpus:
+            return None
+        if memory is None or able == len(self._usable):
+            return f"needs {job.gpus} GPUs, {len(self._usable)} available"
+        return (
+            f"needs {job.gpus} GPUs with >= {format_memory(memory)}, "
+            f"{able} of {len(self._usable)} cards have that much"
+        )
+
+    def _best_fit(self, job: Job) -> tuple[Card, ...] | None:
+        if job.gpus == 0:
+            return () if self._cpu_free > 0 else None
+        memory = job.requirement.memory
+        candidates = [card for card in self._free.values() if _fits(card, memory)]
+        if len(candidates) < job.gpus:
+            return None
+        candidates.sort(
+            key=lambda card: (
+                math.inf if card.memory is None else card.memory,
+                self._order[card.id],
+            )
+        )
+        return tuple(sorted(candidates[: job.gpus], key=lambda card: self._order[card.id]))

@@ -1,0 +1,269 @@
+"""The session driver: options -> inventory -> collection -> jobs -> runner -> reports.
+
+``run`` and ``plan`` share everything up to the jobs; ``run`` then hands them
+to the asyncio runner, ``plan`` to the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpusched.childenv import local_tmp_root, read_mounts
+from gpusched.collect import Collection, CollectionFailed, collect
+from gpusched.inventory import Card, InventoryError, discover, parse_simulate_spec
+from gpusched.options import UsageError
+from gpusched.report import (
+    ConsoleReporter,
+    atomic_write,
+    display_path,
+    failing,
+    format_cards,
+    json_report,
+    junit_xml,
+    log_tail,
+    summary_lines,
+)
+from gpusched.requirements import format_memory
+from gpusched.results import FileResult, Outcome, TestResult
+from gpusched.runner import RunConfig, Runner
+from gpusched.scheduler import Job, simulate
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
+STATE_DIR = Path(".gpusched")
+
+
+@dataclass
+class Prepared:
+    """What ``run`` and ``plan`` both need before scheduling."""
+
+    cards: list[Card]
+    collection: Collection
+    jobs: list[Job]
+    selection: list[str]
+
+
+def check_paths(paths: Sequence[str]) -> None:
+    for path in paths:
+        if not os.path.exists(path.split("::")[0]):
+            raise UsageError(f"path {path!r} does not exist")
+
+
+def selection_args(settings: dict[str, Any]) -> list[str]:
+    args = []
+    if settings.get("markexpr"):
+        args += ["-m", settings["markexpr"]]
+    if settings.get("keyword"):
+        args += ["-k", settings["keyword"]]
+    return args
+
+
+def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequence[str]) -> Prepared:
+    """Inventory, collection and jobs; raises UsageError or CollectionFailed."""
+    check_paths(paths)
+    try:
+        simulated = (
+            parse_simulate_spec(settings["simulate_gpus"]) if settings["simulate_gpus"] else None
+        )
+        cards = discover(simulated, settings["gpus"])
+    except InventoryError as exc:
+        raise UsageError(str(exc)) from None
+    selection = selection_args(settings)
+    collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"])
+    jobs = [
+        Job(index, entry.path, entry.requirement, 1.0)
+        for index, entry in enumerate(collection.files)
+    ]
+    return Prepared(cards, collection, jobs, selection)
+
+
+def collection_results(collection: Collection) -> list[FileResult]:
+    """Files that never reach the runner: collection errors and whole-module skips."""
+    results = [
+        FileResult(
+            error.path,
+            Outcome.ERROR,
+            message="collection error",
+            tests=[TestResult(error.nodeid, "error", 0.0, error.message)],
+        )
+        for error in collection.errors
+    ]
+    results += [
+        FileResult(
+            skip.path,
+            Outcome.SKIPPED,
+            message=skip.message,
+            tests=[TestResult(skip.nodeid, "skipped", 0.0, skip.message)],
+        )
+        for skip in collection.skipped
+    ]
+    return results
+
+
+def child_args(
+    paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequence[str]
+) -> tuple[str, ...]:
+    args = [*selection_args(settings), *pytest_args]
+    if settings.get("per_test_timeout"):
+        args.append(f"--timeout={settings['per_test_timeout']:g}")
+    return tuple(args)
+
+
+def exit_code(results: Sequence[FileResult], interrupted: bool) -> int:
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if failing(results):
+        return EXIT_FAILED
+    if not results:
+        return EXIT_EMPTY
+    return EXIT_OK
+
+
+def run(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter | None = None,
+) -> int:
+    """``gpusched run``: the whole main path. Returns the exit code."""
+    reporter = reporter or ConsoleReporter()
+    if settings.get("per_test_timeout"):
+        import importlib.util
+
+        if importlib.util.find_spec("pytest_timeout") is None:
+            raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
+    try:
+        prepared = prepare(paths, settings, pytest_args)
+    except KeyboardInterrupt:
+        reporter.say("gpusched: interrupted during collection")
+        return _finish([], True, [], settings, reporter)
+    except CollectionFailed as exc:
+        reporter.say(f"gpusched: {exc}")
+        if exc.exit_code == EXIT_USAGE:
+            raise UsageError(str(exc)) from None
+        return exc.exit_code
+    results = collection_results(prepared.collection)
+    for result in results:
+        reporter.finished(result)
+    if not prepared.jobs:
+        if not results:
+            reporter.say("gpusched: no tests collected")
+        return _finish(results, False, [], settings, reporter)
+    cards = prepared.cards
+    reporter.say(
+        f"gpusched: {len(prepared.jobs)} files on "
+        + (
+            f"{len(cards)} {'simulated ' if settings['simulate_gpus'] else ''}cards"
+            if cards
+            else "no GPUs"
+        )
+        + f" and {settings['cpu_slots']} CPU slots"
+    )
+    tmp_root, warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
+    if warning:
+        reporter.say(f"gpusched: warning: {warning}")
+    log_dir = STATE_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="gpusched-run-"))
+    from gpusched.scheduler import Packer
+
+    tests = {entry.path: entry.tests for entry in prepared.collection.files}
+    config = RunConfig(
+        pytest_args=child_args(paths, settings, pytest_args),
+        timeout=settings["timeout"],
+        kill_grace=settings["kill_grace"],
+        simulated=bool(settings["simulate_gpus"]),
+        log_dir=log_dir,
+        work_dir=work_dir,
+        tmp_root=tmp_root,
+        run_id=uuid.uuid4().hex[:10],
+        reruns=settings["reruns"],
+        exitfirst=settings["exitfirst"],
+        rootdir=prepared.collection.rootdir,
+    )
+    try:
+        runner = Runner(config, Packer(cards, settings["cpu_slots"]), tests, reporter)
+        report = asyncio.run(runner.run(prepared.jobs))
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return _finish(
+        results + report.results, report.interrupted, report.quarantined, settings, reporter
+    )
+
+
+def _finish(
+    results: list[FileResult],
+    interrupted: bool,
+    quarantined: list[str],
+    settings: dict[str, Any],
+    reporter: ConsoleReporter,
+) -> int:
+    code = exit_code(results, interrupted)
+    for result in failing(results):
+        tail = log_tail(result)
+        if tail:
+            reporter.say(
+                f"{'_' * 20} {display_path(result.path)} ({result.outcome.value}) {'_' * 20}"
+            )
+            for line in tail:
+                reporter.say(line)
+    if settings.get("junitxml"):
+        atomic_write(settings["junitxml"], junit_xml(results))
+    if settings.get("json"):
+        atomic_write(settings["json"], json_report(results, interrupted, quarantined, code))
+    for line in summary_lines(results, quarantined):
+        reporter.say(line)
+    return code
+
+
+def plan(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter | None = None,
+) -> int:
+    """``gpusched plan``: requirements and the predicted schedule; runs nothing."""
+    reporter = reporter or ConsoleReporter()
+    try:
+        prepared = prepare(paths, settings, pytest_args)
+    except CollectionFailed as exc:
+        if exc.exit_code == EXIT_USAGE:
+            raise UsageError(str(exc)) from None
+        reporter.say(f"gpusched: {exc}")
+        return exc.exit_code
+    for error in prepared.collection.errors:
+        reporter.say(f"ERROR       {display_path(error.path)} - collection error")
+    if not prepared.jobs:
+        reporter.say("gpusched: no tests collected")
+        return EXIT_FAILED if prepared.collection.errors else EXIT_EMPTY
+    reporter.say(f"{'file':<60} {'needs':<16} {'tests':>5} {'expected':>9}")
+    tests = {entry.path: len(entry.tests) for entry in prepared.collection.files}
+    for job in prepared.jobs:
+        reporter.say(
+            f"{display_path(job.path):<60} {job.requirement.describe():<16} "
+            f"{tests[job.path]:>5} {job.expected:>8.1f}s"
+        )
+    runs, skipped = simulate(prepared.cards, prepared.jobs, settings["cpu_slots"])
+    cards = ", ".join(
+        f"{c.id}({format_memory(c.memory)})" if c.memory else c.id for c in prepared.cards
+    )
+    reporter.say(
+        f"\npredicted schedule on cards [{cards or 'none'}], {settings['cpu_slots']} CPU slots:"
+    )
+    for planned in sorted(runs, key=lambda r: (r.start, r.job.id)):
+        reporter.say(
+            f"  {planned.start:8.1f}s -> {planned.end:8.1f}s  [{format_cards(tuple(c.id for c in planned.cards))}]"
+            f"  {display_path(planned.job.path)}"
+        )
+    for job, reason in skipped:
+        reporter.say(f"  SKIPPED  {display_path(job.path)} - {reason}")
+    makespan = max((r.end for r in runs), default=0.0)
+    reporter.say(f"gpusched: predicted makespan {makespan:.1f}s for {len(runs)} files")
+    return EXIT_FAILED if prepared.collection.errors else EXIT_OK
