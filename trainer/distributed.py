@@ -138,6 +138,9 @@ def _rank_main(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: ranks sharing a host must not each spin a thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         try:
             if backend == "nccl":
@@ -246,7 +249,8 @@ def run_distributed(
     default :func:`default_backend`; NCCL ranks use ``cuda:rank``) rendezvousing
     at ``127.0.0.1`` on a free port; ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE`` and ``LOCAL_RANK`` are set for code that reads them. The group is
-    destroyed whether ``fn`` returns or raises.
+    destroyed whether ``fn`` returns or raises. Unless ``OMP_NUM_THREADS`` is set,
+    each rank uses cpu_count // world_size intra-op threads (at least 1).
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function) and so
     must the return values, which come back as a list indexed by rank.
