@@ -138,6 +138,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("keyword", ("-k",), _text, None, "only tests matching this keyword expression", "EXPR"),
     Option("junitxml", ("--junitxml",), _text, None, "write a merged JUnit XML report", "PATH"),
     Option("json", ("--json",), _text, None, "write a JSON report", "PATH"),
+    Option(
+        "timeline",
+        ("--timeline",),
+        _text,
+        None,
+        "write a self-contained HTML Gantt chart of cards over time",
+        "PATH",
+    ),
 )
 
 PLAN_OPTIONS = frozenset(
