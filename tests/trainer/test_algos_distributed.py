@@ -180,3 +180,19 @@ def test_naive_per_micro_batch_means_do_not_match(runs, mode: str) -> None:
         ((naive[n] - w).abs().max() / w.abs().max()).item() for n, w in reference[mode].items()
     ]
     assert max(diffs) > 100 * RTOL
+
+
+def _nccl_norm(rank: int, world_size: int) -> tuple:
+    """agg_norm over NCCL with a CPU mask (moved to the GPU for the collective)."""
+    norm = agg_norm(torch.ones(2, 3 + rank, dtype=torch.bool), "seq-mean-token-sum-norm")
+    return norm.tokens, norm.seqs, norm.padded_len, norm.world_size
+
+
+@pytest.mark.gpu2
+def test_agg_norm_over_nccl_with_cpu_masks() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: torch.cuda.is_available() is False")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    out = run_distributed(_nccl_norm, 2, backend="nccl", timeout_s=120)
+    assert out == [(14.0, 4.0, 4, 2)] * 2  # rows of 3 and 4 tokens, 2 per rank

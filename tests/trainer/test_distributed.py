@@ -142,3 +142,27 @@ def test_bad_arguments_are_refused_before_spawning(kwargs: dict, message: str) -
 def test_unpicklable_function_is_refused() -> None:
     with pytest.raises(TypeError, match="fn must be picklable"):
         run_distributed(lambda rank, ws: rank, 2, backend="gloo")
+
+
+# --- NCCL (skipped without CUDA) ---
+
+
+def _nccl_sum(rank: int, world_size: int) -> tuple[torch.Tensor, int, str]:
+    t = torch.full((3,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    return t.cpu(), torch.cuda.current_device(), dist.get_backend()
+
+
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.gpu1), pytest.param(2, marks=pytest.mark.gpu2)]
+)
+def test_nccl_ranks_each_get_their_own_card(world_size: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: torch.cuda.is_available() is False")
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
+    out = run_distributed(_nccl_sum, world_size, timeout_s=120)
+    total = float(sum(range(1, world_size + 1)))
+    for rank, (tensor, device, backend) in enumerate(out):
+        assert torch.equal(tensor, torch.full((3,), total))
+        assert (device, backend) == (rank, "nccl")
