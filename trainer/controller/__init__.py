@@ -7,9 +7,9 @@ Everything a trainer driver needs is importable from here::
     )
 """
 
-from trainer.controller.dispatch import Dispatch, DispatchSpec
 from trainer.controller.errors import WorkerDiedError, WorkerError
 from trainer.controller.group import PendingCall, RoleGroup, create_role_groups
+from trainer.controller.modes import Dispatch, DispatchSpec
 from trainer.controller.resources import (
     InfeasibleError,
     NodeResources,

@@ -7,7 +7,6 @@ return value. The worker group (``group.py``) does the remote part.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,57 +14,9 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from trainer import batch as batch_ops
+from trainer.controller.modes import Dispatch, DispatchSpec, as_spec
 
 __all__ = ["Dispatch", "DispatchSpec", "SplitCall", "as_spec", "collect_results", "split_call"]
-
-
-class Dispatch(enum.Enum):
-    """How a method's arguments reach the ranks and how results come back.
-
-    * ``ONE_TO_ALL``: every rank gets the same arguments; returns a list, one
-      result per rank.
-    * ``ALL_TO_ALL``: every argument is a sequence of ``world_size`` items;
-      rank ``i`` gets item ``i`` of each; returns a list, one per rank.
-    * ``DP_SPLIT``: TensorDict arguments are padded to a multiple of the world
-      size (repeating real rows), chunked, one chunk per rank; other arguments
-      go to every rank unchanged. TensorDict results are concatenated and the
-      padding removed; other results come back as a list, one per rank.
-    * ``RANK_ZERO``: only rank 0 runs the method; returns its result. Methods
-      that take part in collectives must not use it (the other ranks would not
-      join); use ``ONE_TO_ALL`` for those.
-    """
-
-    ONE_TO_ALL = "one_to_all"
-    ALL_TO_ALL = "all_to_all"
-    DP_SPLIT = "dp_split"
-    RANK_ZERO = "rank_zero"
-
-
-@dataclass(frozen=True)
-class DispatchSpec:
-    """A dispatch mode plus whether the driver waits for the result.
-
-    With ``blocking=False`` the proxy returns at once an object whose
-    ``.get()`` waits and gives what the blocking call would have returned.
-    """
-
-    mode: Dispatch
-    blocking: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.mode, Dispatch):
-            raise TypeError(f"DispatchSpec.mode must be a Dispatch, got {self.mode!r}")
-        if not isinstance(self.blocking, bool):
-            raise TypeError(f"DispatchSpec.blocking must be a bool, got {self.blocking!r}")
-
-
-def as_spec(value: Dispatch | DispatchSpec) -> DispatchSpec:
-    """Normalise a dispatch-table entry; raises ``TypeError`` for anything else."""
-    if isinstance(value, DispatchSpec):
-        return value
-    if isinstance(value, Dispatch):
-        return DispatchSpec(value)
-    raise TypeError(f"expected a Dispatch or DispatchSpec, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from trainer.controller.dispatch import DispatchSpec, collect_results, split_call
+from trainer.controller.dispatch import collect_results, split_call
 from trainer.controller.errors import WorkerDiedError, WorkerError
 from trainer.controller.host import WorkerHost
+from trainer.controller.modes import DispatchSpec
 from trainer.controller.resources import RayResourcePool, ResourcePoolManager
 from trainer.controller.worker import Worker, WorkerContext
 

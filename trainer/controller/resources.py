@@ -228,6 +228,12 @@ class RayResourcePool:
         """``(placement_group, bundle_index)`` for ranks ``0 .. world_size - 1``."""
         return [(g, i) for g in self._groups for i in range(g.bundle_count)]
 
+    def rank_nodes(self) -> list[NodeResources]:
+        """The node of each rank, ``0 .. world_size - 1``."""
+        return [
+            n for g, n in zip(self._groups, self.nodes, strict=True) for _ in range(g.bundle_count)
+        ]
+
     def release(self) -> None:
         """Remove the placement groups (kills actors still placed in them)."""
 
@@ -236,6 +242,7 @@ class RayResourcePool:
         for g in self._groups:
             remove_placement_group(g)
         self._groups = []
+        self.nodes = []
 
 
 class ResourcePoolManager:

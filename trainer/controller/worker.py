@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from trainer.controller.dispatch import DispatchSpec, as_spec
+from trainer.controller.modes import DispatchSpec, as_spec
 
 __all__ = ["Worker", "WorkerContext", "create_worker"]
 
