@@ -7,19 +7,31 @@ to the asyncio runner, ``plan`` to the simulator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpusched.childenv import local_tmp_root, read_mounts
 from gpusched.collect import Collection, CollectionFailed, collect
+from gpusched.history import (
+    HISTORY_FILE,
+    expected_durations,
+    history_key,
+    load_history,
+    observations,
+    record_durations,
+)
 from gpusched.inventory import Card, InventoryError, discover, parse_simulate_spec
 from gpusched.options import UsageError
+from gpusched.release import release_check
 from gpusched.report import (
     ConsoleReporter,
     atomic_write,
@@ -48,6 +60,8 @@ class Prepared:
     collection: Collection
     jobs: list[Job]
     selection: list[str]
+    warnings: list[str] = field(default_factory=list)
+    known: int = 0  # files whose expected duration comes from the history
 
 
 def check_paths(paths: Sequence[str]) -> None:
@@ -77,11 +91,15 @@ def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequenc
         raise UsageError(str(exc)) from None
     selection = selection_args(settings)
     collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"])
+    history, warning = load_history(STATE_DIR / HISTORY_FILE)
+    keys = [history_key(entry.path, collection.rootdir) for entry in collection.files]
+    expected = expected_durations(history, keys)
     jobs = [
-        Job(index, entry.path, entry.requirement, 1.0)
-        for index, entry in enumerate(collection.files)
+        Job(index, entry.path, entry.requirement, expected[key])
+        for index, (entry, key) in enumerate(zip(collection.files, keys, strict=True))
     ]
-    return Prepared(cards, collection, jobs, selection)
+    known = sum(1 for key in keys if key in history)
+    return Prepared(cards, collection, jobs, selection, [warning] if warning else [], known)
 
 
 def collection_results(collection: Collection) -> list[FileResult]:
@@ -149,6 +167,8 @@ def run(
         if exc.exit_code == EXIT_USAGE:
             raise UsageError(str(exc)) from None
         return exc.exit_code
+    for warning in prepared.warnings:
+        reporter.say(f"gpusched: warning: {warning}")
     results = collection_results(prepared.collection)
     for result in results:
         reporter.finished(result)
@@ -187,15 +207,56 @@ def run(
         reruns=settings["reruns"],
         exitfirst=settings["exitfirst"],
         rootdir=prepared.collection.rootdir,
+        heartbeat=settings["heartbeat"],
     )
+    live = live_reporter(reporter, cards, settings["cpu_slots"], len(prepared.jobs))
+    if live is not None:
+        config = dataclasses.replace(config, heartbeat=None)  # the live table shows elapsed times
+    real_cards = bool(cards) and not settings["simulate_gpus"]
     try:
-        runner = Runner(config, Packer(cards, settings["cpu_slots"]), tests, reporter)
-        report = asyncio.run(runner.run(prepared.jobs))
+        with (
+            live or contextlib.nullcontext(),
+            release_check(
+                real_cards,
+                settings["gpu_release_timeout"],
+                settings["gpu_release_memory"],
+                warn=(live or reporter).say,
+            ) as releaser,
+        ):
+            runner = Runner(
+                config, Packer(cards, settings["cpu_slots"]), tests, live or reporter, releaser
+            )
+            report = asyncio.run(runner.run(prepared.jobs))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+    warning = record_durations(
+        STATE_DIR / HISTORY_FILE, observations(report.results, prepared.collection.rootdir)
+    )
+    if warning:
+        reporter.say(f"gpusched: warning: {warning}")
+    if settings.get("timeline"):
+        from gpusched.timeline import timeline_html
+
+        atomic_write(
+            settings["timeline"], timeline_html(results + report.results, [c.id for c in cards])
+        )
     return _finish(
         results + report.results, report.interrupted, report.quarantined, settings, reporter
     )
+
+
+def live_reporter(
+    reporter: ConsoleReporter, cards: Sequence[Card], cpu_slots: int, total: int
+) -> Any:
+    """A live view (``gpusched.live``) when ``reporter`` writes to an interactive terminal
+    outside CI, else None (the plain reporter goes on)."""
+    from gpusched.live import LiveReporter, wants_live
+
+    if type(reporter) is not ConsoleReporter or not wants_live(reporter.out, os.environ):
+        return None
+    from rich.console import Console
+
+    return LiveReporter([c.id for c in cards], cpu_slots, total, Console(file=reporter.out))
 
 
 def _finish(
@@ -238,6 +299,8 @@ def plan(
             raise UsageError(str(exc)) from None
         reporter.say(f"gpusched: {exc}")
         return exc.exit_code
+    for warning in prepared.warnings:
+        reporter.say(f"gpusched: warning: {warning}")
     for error in prepared.collection.errors:
         reporter.say(f"ERROR       {display_path(error.path)} - collection error")
     if not prepared.jobs:
@@ -265,5 +328,13 @@ def plan(
     for job, reason in skipped:
         reporter.say(f"  SKIPPED  {display_path(job.path)} - {reason}")
     makespan = max((r.end for r in runs), default=0.0)
-    reporter.say(f"gpusched: predicted makespan {makespan:.1f}s for {len(runs)} files")
+    reporter.say(
+        f"gpusched: expected durations of {prepared.known} of {len(prepared.jobs)} files "
+        f"from {STATE_DIR / HISTORY_FILE}"
+        + (", the others get their mean" if prepared.known < len(prepared.jobs) else "")
+    )
+    eta = time.strftime("%H:%M:%S", time.localtime(time.time() + makespan))
+    reporter.say(
+        f"gpusched: predicted makespan {makespan:.1f}s for {len(runs)} files (ETA {eta} if started now)"
+    )
     return EXIT_FAILED if prepared.collection.errors else EXIT_OK

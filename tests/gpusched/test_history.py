@@ -1,0 +1,174 @@
+"""Duration history: format, merging, expectations, corrupt files and concurrent writers."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpusched.history import (
+    DEFAULT_SECONDS,
+    Entry,
+    HistoryError,
+    combine,
+    dump_history,
+    expected_durations,
+    history_key,
+    load_history,
+    merge,
+    observations,
+    parse_history,
+    record_durations,
+)
+from gpusched.results import FileResult, Outcome
+
+
+def test_dump_then_parse_gives_the_same_entries():
+    history = {"tests/a.py": Entry(2.5, 3.0, 4), "b.py": Entry(0.125, 0.125, 1)}
+    text = dump_history(history)
+    assert json.loads(text)["version"] == 1
+    assert list(json.loads(text)["files"]) == ["b.py", "tests/a.py"]  # sorted keys
+    assert parse_history(text) == history
+
+
+def test_merge_takes_a_new_file_as_is_and_moves_a_known_one_halfway():
+    history = {"a.py": Entry(10.0, 10.0, 3)}
+    merged = merge(history, {"a.py": 4.0, "b.py": 2.0})
+    assert merged == {"a.py": Entry(7.0, 4.0, 4), "b.py": Entry(2.0, 2.0, 1)}
+    assert history == {"a.py": Entry(10.0, 10.0, 3)}  # input untouched
+
+
+def test_combine_keeps_for_each_file_the_copy_that_saw_most_runs():
+    base = {"a.py": Entry(1.0, 1.0, 1), "b.py": Entry(2.0, 2.0, 1)}
+    shard1 = merge(base, {"a.py": 3.0})
+    shard2 = merge(base, {"b.py": 6.0, "c.py": 5.0})
+    combined = combine([shard1, shard2])
+    assert combined == {"a.py": shard1["a.py"], "b.py": shard2["b.py"], "c.py": shard2["c.py"]}
+
+
+def test_unknown_files_get_the_mean_of_the_known_ones():
+    history = {"a.py": Entry(2.0, 2.0, 1), "b.py": Entry(6.0, 6.0, 1), "x.py": Entry(100, 100, 1)}
+    assert expected_durations(history, ["a.py", "b.py", "new.py"]) == {
+        "a.py": 2.0,
+        "b.py": 6.0,
+        "new.py": 4.0,  # mean over the requested files the history knows, not x.py
+    }
+    # None of the requested files known: the mean of the whole history.
+    assert expected_durations(history, ["new.py"]) == {"new.py": 36.0}
+    assert expected_durations({}, ["new.py"]) == {"new.py": DEFAULT_SECONDS}
+
+
+def test_observations_keep_files_that_ran_to_an_end(tmp_path):
+    def result(name, outcome, start=0.0, end=2.0):
+        return FileResult(str(tmp_path / name), outcome, start=start, end=end)
+
+    results = [
+        result("pass.py", Outcome.PASSED),
+        result("fail.py", Outcome.FAILED, 1.0, 4.5),
+        result("timeout.py", Outcome.TIMEOUT),
+        result("interrupted.py", Outcome.INTERRUPTED),
+        result("notrun.py", Outcome.NOT_RUN, 0.0, 0.0),
+        result("skipped.py", Outcome.SKIPPED, 0.0, 0.0),
+    ]
+    assert observations(results, str(tmp_path)) == {
+        "pass.py": 2.0,
+        "fail.py": 3.5,
+        "timeout.py": 2.0,
+    }
+
+
+def test_history_key_is_relative_to_rootdir_and_absolute_outside(tmp_path):
+    assert history_key(str(tmp_path / "tests" / "t.py"), str(tmp_path)) == "tests/t.py"
+    outside = tmp_path.parent / "elsewhere.py"
+    assert history_key(str(outside), str(tmp_path)) == outside.as_posix()
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "not a JSON object"),
+        ('{"version": 2, "files": {}}', "version is 2"),
+        ('{"version": 1}', '"files" is missing'),
+        ('{"version": 1, "files": {"a.py": 3}}', "entry 'a.py' is not an object"),
+        (
+            '{"version": 1, "files": {"a.py": {"seconds": -1, "last": 1, "runs": 1}}}',
+            "entry 'a.py': seconds is -1",
+        ),
+        (
+            '{"version": 1, "files": {"a.py": {"seconds": "1", "last": 1, "runs": 1}}}',
+            "entry 'a.py': seconds is '1', not a number",
+        ),
+        (
+            '{"version": 1, "files": {"a.py": {"seconds": 1, "last": 1, "runs": 0}}}',
+            "entry 'a.py': runs is 0",
+        ),
+    ],
+)
+def test_a_malformed_file_is_an_error_that_says_what_is_wrong(text, complaint):
+    with pytest.raises(HistoryError, match=complaint.replace("(", r"\(")):
+        parse_history(text)
+
+
+def test_a_missing_file_is_an_empty_history_without_warning(tmp_path):
+    assert load_history(tmp_path / "durations.json") == ({}, None)
+
+
+def test_a_corrupt_file_is_reported_and_replaced(tmp_path):
+    path = tmp_path / ".gpusched" / "durations.json"
+    path.parent.mkdir()
+    path.write_text('{"version": 1, "files": {"a.py": {"seconds": "x"', encoding="utf-8")
+    history, warning = load_history(path)
+    assert history == {}
+    assert str(path) in warning and "corrupt" in warning and "not valid JSON" in warning
+    warning = record_durations(path, {"b.py": 1.5})
+    assert "corrupt" in warning
+    assert parse_history(path.read_text(encoding="utf-8")) == {"b.py": Entry(1.5, 1.5, 1)}
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "durations.json",
+        "durations.json.lock",
+    ]
+
+
+def _writer(path: str, worker: int, rounds: int) -> None:
+    for n in range(rounds):
+        record_durations(path, {f"w{worker}_{n}.py": float(n), "shared.py": 1.0})
+
+
+def test_concurrent_writers_lose_no_entry(tmp_path):
+    path = str(tmp_path / "durations.json")
+    workers, rounds = 4, 15
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=_writer, args=(path, w, rounds)) for w in range(workers)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+        assert process.exitcode == 0
+    history, warning = load_history(path)
+    assert warning is None
+    assert history["shared.py"].runs == workers * rounds
+    assert {key for key in history if key != "shared.py"} == {
+        f"w{w}_{n}.py" for w in range(workers) for n in range(rounds)
+    }
+
+
+def test_merge_command_joins_shard_histories(tmp_path):
+    base = {"a.py": Entry(1.0, 1.0, 1), "b.py": Entry(1.0, 1.0, 1)}
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    one.write_text(dump_history(merge(base, {"a.py": 5.0})), encoding="utf-8")
+    two.write_text(dump_history(merge(base, {"b.py": 9.0})), encoding="utf-8")
+    out = tmp_path / "out" / "durations.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpusched.history", "merge", "-o", str(out), str(one), str(two)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "2 files" in done.stdout
+    merged = parse_history(Path(out).read_text(encoding="utf-8"))
+    assert merged["a.py"].last == 5.0 and merged["b.py"].last == 9.0
