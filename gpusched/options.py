@@ -18,6 +18,9 @@ from typing import Any
 
 import tomllib
 
+from gpusched.release import DEFAULT_RELEASE_MEMORY, DEFAULT_RELEASE_TIMEOUT
+from gpusched.requirements import RequirementError, parse_memory
+
 
 class UsageError(Exception):
     """Bad input from the user: gpusched exits with code 4 and this message."""
@@ -28,6 +31,20 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise ValueError("must be a positive number of seconds")
     return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be a number of seconds >= 0")
+    return value
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except RequirementError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -124,6 +141,32 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "pytest-timeout limit for each test inside a file (a stack dump, the file goes on)",
         "S",
+    ),
+    Option(
+        "heartbeat",
+        ("--heartbeat",),
+        _positive_float,
+        None,
+        "every S seconds, print one line naming each running file and its elapsed time",
+        "S",
+    ),
+    Option(
+        "gpu_release_timeout",
+        ("--gpu-release-timeout",),
+        _non_negative_float,
+        DEFAULT_RELEASE_TIMEOUT,
+        "after a file ends, wait up to S seconds for NVML to show its cards free "
+        "(no process of the file, memory under --gpu-release-memory); "
+        "a card still busy is quarantined for the rest of the run",
+        "S",
+    ),
+    Option(
+        "gpu_release_memory",
+        ("--gpu-release-memory",),
+        _memory,
+        DEFAULT_RELEASE_MEMORY,
+        "a released card must have less than this in use, e.g. 512MB (default 1GiB)",
+        "SIZE",
     ),
     Option("reruns", ("--reruns",), _non_negative_int, 0, "rerun a failed file up to N times", "N"),
     Option(

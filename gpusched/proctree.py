@@ -24,10 +24,15 @@ _POLL = 0.05
 
 @dataclass(frozen=True)
 class KillReport:
-    """What a kill found: how many processes it signalled, and pids still alive at the end."""
+    """What a kill found: how many processes it signalled, and pids still alive at the end.
+
+    ``pids`` are every process of the job seen alive during the kill (the GPU
+    release check looks for them on the cards).
+    """
 
     found: int
     survivors: tuple[int, ...]
+    pids: frozenset[int] = frozenset()
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -37,19 +42,28 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def tagged_processes(tag: str) -> list[psutil.Process]:
-    """Live processes whose environment has ``GPUSCHED_JOB_TAG=tag``."""
+def processes_with(variable: str, value: str) -> list[psutil.Process]:
+    """Live processes (other than this one) whose environment has ``variable=value``.
+
+    Processes of other users cannot be read and are skipped: a job only ever
+    starts processes as the user running gpusched.
+    """
     found = []
     me = os.getpid()
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
         try:
-            if proc.environ().get(TAG_VARIABLE) == tag and _alive(proc):
+            if proc.environ().get(variable) == value and _alive(proc):
                 found.append(proc)
         except psutil.Error:
             continue
     return found
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Live processes whose environment has ``GPUSCHED_JOB_TAG=tag``."""
+    return processes_with(TAG_VARIABLE, tag)
 
 
 def job_processes(root_pid: int | None, pgid: int | None, tag: str | None) -> list[psutil.Process]:
@@ -100,19 +114,25 @@ def kill_job(
 
     Returns once no process of the job is alive, or after ``bound`` s of KILL
     rounds with the pids that survived (a process stuck in the kernel).
+    Pass ``root_pid=None`` once the root has been reaped: its pid may already
+    belong to an unrelated process.
     Blocking: the asyncio runner calls it through ``asyncio.to_thread``.
     """
     procs = job_processes(root_pid, pgid, tag)
     seen = {proc.pid for proc in procs}
     if not procs:
         return KillReport(0, ())
+
+    def report(survivors: tuple[int, ...] = ()) -> KillReport:
+        return KillReport(len(seen), survivors, frozenset(seen))
+
     _signal_all(procs, pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not (hurry and hurry.is_set()):
         procs = job_processes(root_pid, pgid, tag)
         seen.update(proc.pid for proc in procs)
         if not procs:
-            return KillReport(len(seen), ())
+            return report()
         _signal_all(procs, None, signal.SIGTERM)  # newcomers forked during the grace period
         time.sleep(_POLL)
     deadline = time.monotonic() + bound
@@ -120,8 +140,8 @@ def kill_job(
         procs = job_processes(root_pid, pgid, tag)
         seen.update(proc.pid for proc in procs)
         if not procs:
-            return KillReport(len(seen), ())
+            return report()
         if time.monotonic() > deadline:
-            return KillReport(len(seen), tuple(sorted(proc.pid for proc in procs)))
+            return report(tuple(sorted(proc.pid for proc in procs)))
         _signal_all(procs, pgid, signal.SIGKILL)
         time.sleep(_POLL)

@@ -54,6 +54,12 @@ def file_line(result: FileResult) -> str:
     return " ".join(parts)
 
 
+def heartbeat_line(running: Sequence[tuple[Job, float]]) -> str:
+    """``--heartbeat``: the files still running, each with its elapsed seconds."""
+    files = ", ".join(f"{display_path(job.path)} {elapsed:.1f}s" for job, elapsed in running)
+    return f"gpusched: running {len(running)}: {files}"
+
+
 def totals(results: Iterable[FileResult]) -> dict[str, int]:
     tally: dict[str, int] = {}
     for result in results:
@@ -216,6 +222,9 @@ class ConsoleReporter:
             self.say("gpusched: interrupted again: killing every running file now")
         else:
             self.say("gpusched: interrupted: stopping running files (again to kill at once)")
+
+    def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None:
+        self.say(heartbeat_line(running))
 
 
 def failing(results: Iterable[FileResult]) -> list[FileResult]:

@@ -17,16 +17,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gpusched.childenv import PortPool, child_env
 from gpusched.collect import plugin_args
 from gpusched.proctree import kill_job
 from gpusched.results import FAILING, FileResult, Outcome, TestResult, judge
 from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class RunConfig:
     reruns: int = 0
     exitfirst: bool = False
     rootdir: str = "."
+    heartbeat: float | None = None  # seconds between "still running" lines; None: none
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,12 @@ class Started:
 
 @dataclass(frozen=True)
 class Finished:
+    """A job is over: no process of it is left and its cards were checked (``quarantined``)."""
+
     job: Job
     result: FileResult
     pids: frozenset[int] = frozenset()
+    quarantined: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,12 @@ class Interrupt:
     signum: int
 
 
-Event = Started | Finished | Interrupt
+@dataclass(frozen=True)
+class Tick:
+    """Time for a heartbeat line (``--heartbeat``)."""
+
+
+Event = Started | Finished | Interrupt | Tick
 
 
 class Reporter(Protocol):
@@ -77,6 +88,10 @@ class Reporter(Protocol):
     def finished(self, result: FileResult) -> None: ...
 
     def interrupting(self, signum: int, second: bool) -> None: ...
+
+    def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None:
+        """Still running: each file with its elapsed seconds (only with ``--heartbeat``)."""
+        ...
 
 
 class CardReleaser(Protocol):
@@ -138,6 +153,8 @@ class Runner:
         self.ports = PortPool()
         self.report = RunReport()
         self.stopping = False
+        self.running: dict[int, tuple[Job, float]] = {}  # job id -> (job, start on self.clock)
+        self._tick_pending = False
 
     async def run(self, jobs: Sequence[Job]) -> RunReport:
         self.policy.submit(jobs)
@@ -149,6 +166,7 @@ class Runner:
                 installed.append(signum)
             except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
                 pass
+        beat = asyncio.create_task(self._beat()) if self.config.heartbeat else None
         try:
             await self._loop()
         except (asyncio.CancelledError, KeyboardInterrupt):
@@ -160,6 +178,8 @@ class Runner:
             self._interrupt(signal.SIGINT)
             await self._drain()
         finally:
+            if beat is not None:
+                beat.cancel()
             for signum in installed:
                 loop.remove_signal_handler(signum)
         for job in self.policy.cancel_pending():
@@ -181,6 +201,29 @@ class Runner:
     def _on_signal(self, signum: int) -> None:
         self.events.put_nowait(Interrupt(signum))
 
+    async def _beat(self) -> None:
+        """Queue a ``Tick`` every ``heartbeat`` seconds, on a fixed grid from the start.
+
+        A tick is not queued while the previous one is unhandled, so a busy loop
+        never prints a burst of identical lines when it catches up.
+        """
+        interval = self.config.heartbeat
+        assert interval is not None
+        while True:
+            elapsed = self.clock() - self.t0
+            await asyncio.sleep(interval - elapsed % interval)
+            if not self._tick_pending:
+                self._tick_pending = True
+                self.events.put_nowait(Tick())
+
+    def _heartbeat(self) -> None:
+        self._tick_pending = False
+        if self.running:
+            now = self.clock()
+            self.reporter.heartbeat(
+                [(job, now - since) for job, since in sorted(self.running.values(), key=_by_start)]
+            )
+
     async def _loop(self) -> None:
         while True:
             if not self.stopping:
@@ -190,11 +233,15 @@ class Runner:
             event = await self.events.get()
             match event:
                 case Started(job, cards, _pid, attempt):
+                    self.running[job.id] = (job, self.clock())
                     self.reporter.started(job, cards, attempt)
-                case Finished(job, result, pids):
-                    await self._finished(job, result, pids)
+                case Finished(job, result, _pids, quarantined):
+                    self.running.pop(job.id, None)
+                    self._finished(job, result, quarantined)
                 case Interrupt(signum):
                     self._interrupt(signum)
+                case Tick():
+                    self._heartbeat()
 
     def _interrupt(self, signum: int) -> None:
         second = self.report.interrupted
@@ -203,17 +250,25 @@ class Runner:
             self.hurry.set()  # a second Ctrl-C: no grace period for anyone
         self.report.interrupted = True
         self.stopping = True
+        if second:
+            return  # the tasks are already killing their jobs; cancelling again would lose them
         for task in self.tasks.values():
             task.cancel()
 
     async def _drain(self) -> None:
         """After an outside cancellation: collect the killed jobs' results."""
         while self.tasks:
-            event = await self.events.get()
-            if isinstance(event, Finished):
-                self.tasks.pop(event.job.id, None)
-                self.policy.complete(event.job.id)
-                self._record(event.result)
+            match await self.events.get():
+                case Finished(job, result, _pids, quarantined):
+                    self.tasks.pop(job.id, None)
+                    self.running.pop(job.id, None)
+                    self.report.quarantined.extend(quarantined)
+                    self.policy.complete(job.id, quarantined)
+                    self._record(result)
+                case Interrupt(signum):
+                    self._interrupt(signum)
+                case _:
+                    pass
 
     def _start_what_fits(self) -> None:
         for decision in self.policy.schedule():
@@ -235,9 +290,8 @@ class Runner:
                         )
                     )
 
-    async def _finished(self, job: Job, result: FileResult, pids: frozenset[int]) -> None:
+    def _finished(self, job: Job, result: FileResult, quarantined: tuple[str, ...]) -> None:
         self.tasks.pop(job.id, None)
-        quarantined = await self.releaser.release(result.cards, pids) if result.cards else []
         self.report.quarantined.extend(quarantined)
         self.policy.complete(job.id, quarantined)
         attempt = self.attempts[job.id]
@@ -303,21 +357,32 @@ class Runner:
                 await asyncio.wait_for(proc.wait(), config.timeout)
             except TimeoutError:
                 timed_out = config.timeout
+            root = proc.pid if proc.returncode is None else None  # a reaped pid may be reused
             kill = await asyncio.to_thread(
-                kill_job, proc.pid, proc.pid, tag, config.kill_grace, self.hurry
+                kill_job, root, proc.pid, tag, config.kill_grace, self.hurry
             )
             await proc.wait()
         except asyncio.CancelledError:
             interrupted = True
             if proc is not None:
-                kill = await asyncio.to_thread(
-                    kill_job, proc.pid, proc.pid, tag, config.kill_grace, self.hurry
+                root = proc.pid if proc.returncode is None else None
+                kill = await _finish_anyway(
+                    asyncio.to_thread(kill_job, root, proc.pid, tag, config.kill_grace, self.hurry)
                 )
-                await proc.wait()
+                await _finish_anyway(proc.wait())
         finally:
             shutil.rmtree(ray_tmpdir, ignore_errors=True)
+        quarantined: tuple[str, ...] = ()
         if proc is not None:
             pids.add(proc.pid)
+            pids.update(kill.pids)
+            if kill.survivors:
+                quarantined = cards  # a process of the job may still hold them
+            elif cards and not interrupted:
+                try:
+                    quarantined = tuple(await self.releaser.release(cards, frozenset(pids)))
+                except asyncio.CancelledError:
+                    pass  # interrupted while waiting for the cards: the run is ending anyway
         try:
             lines = stream.read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
@@ -337,7 +402,24 @@ class Runner:
                 result.swept = kill.found  # left behind by tests after pytest itself exited
             if kill.survivors:
                 result.message += f" ({len(kill.survivors)} process(es) could not be killed)"
-        self.events.put_nowait(Finished(job, result, frozenset(pids)))
+        if quarantined:
+            result.message += f" (card(s) {','.join(quarantined)} quarantined)"
+        self.events.put_nowait(Finished(job, result, frozenset(pids), quarantined))
+
+
+async def _finish_anyway(awaitable: Awaitable[T]) -> T:
+    """Await to the end even if cancelled again: a kill that is under way must complete."""
+    future = asyncio.ensure_future(awaitable)
+    while True:
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():
+                return future.result()
+
+
+def _by_start(running: tuple[Job, float]) -> tuple[float, int]:
+    return running[1], running[0].id
 
 
 def _not_run(nodeid: str) -> TestResult:
