@@ -137,8 +137,9 @@ def _make_proxy(group: RoleGroup, name: str, spec: DispatchSpec) -> Callable[...
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=f"{group.worker_cls.__qualname__}.{name}")
     proxy.__code__ = code
-    params = list(inspect.signature(method).parameters.values())[1:]
-    proxy.__signature__ = inspect.Signature(params)
+    signature = inspect.signature(method)
+    params = list(signature.parameters.values())[1:]
+    proxy.__signature__ = inspect.Signature(params, return_annotation=signature.return_annotation)
     return proxy
 
 
