@@ -204,8 +204,8 @@ def json_report(
 class ConsoleReporter:
     """Plain, line-oriented progress for logs and CI: one line per event, no control codes."""
 
-    def __init__(self, out: TextIO = sys.stdout) -> None:
-        self.out = out
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out if out is not None else sys.stdout  # read when built, not at import
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
