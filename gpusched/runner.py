@@ -183,19 +183,16 @@ class Runner:
             for signum in installed:
                 loop.remove_signal_handler(signum)
         for job in self.policy.cancel_pending():
-            self.report.results.append(
+            self._record(
                 FileResult(
                     job.path,
                     Outcome.NOT_RUN,
-                    tests=[],
+                    tests=[_not_run(nodeid) for nodeid in self.tests.get(job.path, ())],
                     message="not started (interrupted)"
                     if self.report.interrupted
                     else "not started (-x)",
                 )
             )
-            self.report.results[-1].tests = [
-                _not_run(nodeid) for nodeid in self.tests.get(job.path, ())
-            ]
         return self.report
 
     def _on_signal(self, signum: int) -> None:
@@ -372,17 +369,9 @@ class Runner:
                 await _finish_anyway(proc.wait())
         finally:
             shutil.rmtree(ray_tmpdir, ignore_errors=True)
-        quarantined: tuple[str, ...] = ()
         if proc is not None:
             pids.add(proc.pid)
             pids.update(kill.pids)
-            if kill.survivors:
-                quarantined = cards  # a process of the job may still hold them
-            elif cards and not interrupted:
-                try:
-                    quarantined = tuple(await self.releaser.release(cards, frozenset(pids)))
-                except asyncio.CancelledError:
-                    pass  # interrupted while waiting for the cards: the run is ending anyway
         try:
             lines = stream.read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
@@ -402,6 +391,14 @@ class Runner:
                 result.swept = kill.found  # left behind by tests after pytest itself exited
             if kill.survivors:
                 result.message += f" ({len(kill.survivors)} process(es) could not be killed)"
+        quarantined: tuple[str, ...] = ()
+        if proc is not None and kill.survivors:
+            quarantined = cards  # a process of the job may still hold them
+        elif proc is not None and cards and not interrupted:
+            try:
+                quarantined = tuple(await self.releaser.release(cards, frozenset(pids)))
+            except asyncio.CancelledError:
+                pass  # interrupted while waiting for the cards: the run is ending anyway
         if quarantined:
             result.message += f" (card(s) {','.join(quarantined)} quarantined)"
         self.events.put_nowait(Finished(job, result, frozenset(pids), quarantined))
