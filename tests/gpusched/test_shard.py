@@ -85,7 +85,7 @@ suites = st.lists(
 ).map(lambda rows: [SuiteFile(f"f{i}.py", gpus, t) for i, (gpus, t) in enumerate(rows)])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(
     suite=suites,
     sizes=st.sets(st.integers(0, 8), min_size=1, max_size=5),
@@ -102,7 +102,7 @@ def test_every_file_lands_in_exactly_one_shard_of_exactly_one_class(suite, sizes
     assert sorted(from_matrix) == sorted(f.key for f in suite)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(suite=suites.filter(bool), shards=st.integers(1, 6))
 def test_balanced_shards_stay_within_the_greedy_bound(suite, shards):
     loads = [sum(f.expected for f in shard) for shard in balance(suite, shards)]
