@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import configuration, given, settings
 from hypothesis import strategies as st
 
 from gpusched import cli
@@ -22,6 +22,16 @@ from gpusched.shard import (
     select,
     suite_sizes,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hypothesis_home(tmp_path_factory):
+    """Hypothesis caches under ./.hypothesis by default: keep that in pytest's temp dir."""
+    configuration.set_hypothesis_home_dir(tmp_path_factory.mktemp("hypothesis"))
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(None)
 
 
 def files(*specs: tuple[str, int, float]) -> list[SuiteFile]:
