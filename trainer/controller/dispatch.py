@@ -46,7 +46,9 @@ def _dp_split(world_size: int, args: tuple, kwargs: dict, method: str) -> SplitC
         if not isinstance(value, TensorDictBase):
             return [value] * world_size
         padded, pad_size = batch_ops.pad_to_divisor(value, world_size)
-        return batch_ops.chunk(padded, world_size)
+        # A view pickles its whole storage: copy each chunk so every rank is
+        # sent its own rows only.
+        return [part.clone() for part in batch_ops.chunk(padded, world_size)]
 
     arg_parts = [parts(a) for a in args]
     kwarg_parts = {k: parts(v) for k, v in kwargs.items()}

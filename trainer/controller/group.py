@@ -44,28 +44,22 @@ def _fetch_one(ref: Any, rank: int, role: str, method: str) -> Any:
 
 
 def _gather(refs: Sequence[Any], ranks: Sequence[int], role: str, method: str) -> list[Any]:
-    """Results of ``refs`` in order; raises on the first failure, whichever rank.
+    """Results of ``refs`` in order; on failure, raises naming the failing rank.
 
-    Takes results as they finish rather than in rank order, so a rank that
-    fails while the others block in a collective is reported at once instead
-    of hanging the driver.
+    ``ray.get`` of a list returns early as soon as one object is an error, so
+    a rank that fails while the others block in a collective is reported at
+    once instead of hanging the driver. The failing rank is then found among
+    the results already available.
     """
-    ranks = list(ranks)
-    position = {ref: i for i, ref in enumerate(refs)}
-    results: list[Any] = [None] * len(refs)
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        if pending:
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            done += more
-        try:
-            values = ray.get(done)
-        except (RayTaskError, RayActorError):
-            values = [_fetch_one(ref, ranks[position[ref]], role, method) for ref in done]
-        for ref, value in zip(done, values, strict=True):
-            results[position[ref]] = value
-    return results
+    try:
+        return ray.get(list(refs))
+    except (RayTaskError, RayActorError) as error:
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        finished = set(ready)
+        for ref, rank in zip(refs, ranks, strict=True):
+            if ref in finished:
+                _fetch_one(ref, rank, role, method)
+        raise WorkerError(role, -1, method, str(error)) from error
 
 
 class PendingCall:
