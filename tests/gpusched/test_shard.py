@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
-from hypothesis import configuration, given, settings
-from hypothesis import strategies as st
 
 from gpusched import cli
 from gpusched.history import Entry, dump_history
@@ -22,16 +21,6 @@ from gpusched.shard import (
     select,
     suite_sizes,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _hypothesis_home(tmp_path_factory):
-    """Hypothesis caches under ./.hypothesis by default: keep that in pytest's temp dir."""
-    configuration.set_hypothesis_home_dir(tmp_path_factory.mktemp("hypothesis"))
-    try:
-        yield
-    finally:
-        configuration.set_hypothesis_home_dir(None)
 
 
 def files(*specs: tuple[str, int, float]) -> list[SuiteFile]:
@@ -90,37 +79,42 @@ def test_select_rejects_a_runner_size_that_is_no_class_and_a_bad_index():
         select(suite, classes, 1, shards=0)
 
 
-suites = st.lists(
-    st.tuples(st.integers(0, 10), st.floats(0.01, 100.0, allow_nan=False)), max_size=40
-).map(lambda rows: [SuiteFile(f"f{i}.py", gpus, t) for i, (gpus, t) in enumerate(rows)])
+def random_suites(seed: int, count: int = 300):
+    """Seeded random suites (0 to 40 files, 0 to 10 GPUs each), with runner sizes and K."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        suite = [
+            SuiteFile(f"f{i}.py", rng.randint(0, 10), rng.uniform(0.01, 100.0))
+            for i in range(rng.randint(0, 40))
+        ]
+        sizes = rng.sample(range(9), rng.randint(1, 5))
+        yield suite, sizes, rng.randint(1, 6)
 
 
-@settings(max_examples=150, deadline=None, database=None)
-@given(
-    suite=suites,
-    sizes=st.sets(st.integers(0, 8), min_size=1, max_size=5),
-    shards=st.integers(1, 5),
-)
-def test_every_file_lands_in_exactly_one_shard_of_exactly_one_class(suite, sizes, shards):
-    classes = runner_classes(sizes)
-    seen: list[str] = []
-    for runner in classes:
-        for index in range(shards):
-            seen += [f.key for f in select(suite, classes, runner.gpus, shards, index)]
-    assert sorted(seen) == sorted(f.key for f in suite)  # union is the suite, no duplicates
-    from_matrix = [key for entry in matrix(suite, classes, shards) for key in entry.files]
-    assert sorted(from_matrix) == sorted(f.key for f in suite)
+@pytest.mark.parametrize("seed", range(3))
+def test_every_file_lands_in_exactly_one_shard_of_exactly_one_class(seed):
+    for suite, sizes, shards in random_suites(seed):
+        classes = runner_classes(sizes)
+        seen: list[str] = []
+        for runner in classes:
+            for index in range(shards):
+                seen += [f.key for f in select(suite, classes, runner.gpus, shards, index)]
+        assert sorted(seen) == sorted(f.key for f in suite)  # union is the suite, no duplicates
+        from_matrix = [key for entry in matrix(suite, classes, shards) for key in entry.files]
+        assert sorted(from_matrix) == sorted(f.key for f in suite)
 
 
-@settings(max_examples=150, deadline=None, database=None)
-@given(suite=suites.filter(bool), shards=st.integers(1, 6))
-def test_balanced_shards_stay_within_the_greedy_bound(suite, shards):
-    loads = [sum(f.expected for f in shard) for shard in balance(suite, shards)]
-    total, longest = sum(f.expected for f in suite), max(f.expected for f in suite)
-    # The fullest shard's last file went into the least loaded shard, then at most
-    # (total - it) / shards full: greedy stays within total / shards + (1 - 1/shards) longest.
-    assert max(loads) <= total / shards + (1 - 1 / shards) * longest + 1e-9
-    assert sum(loads) == pytest.approx(total)
+@pytest.mark.parametrize("seed", range(3))
+def test_balanced_shards_stay_within_the_greedy_bound(seed):
+    for suite, _, shards in random_suites(seed):
+        if not suite:
+            continue
+        loads = [sum(f.expected for f in shard) for shard in balance(suite, shards)]
+        total, longest = sum(f.expected for f in suite), max(f.expected for f in suite)
+        # The fullest shard's last file went into the least loaded shard, then at most
+        # (total - it) / shards full: greedy stays within total / shards + (1 - 1/shards) longest.
+        assert max(loads) <= total / shards + (1 - 1 / shards) * longest + 1e-9
+        assert sum(loads) == pytest.approx(total)
 
 
 def test_matrix_has_one_entry_per_non_empty_class_and_shard():
