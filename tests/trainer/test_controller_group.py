@@ -82,8 +82,8 @@ class CriticWorker(Worker):
             "seen": list(self.seen),
         }
 
-    def scatter(self, item: int, tag: str) -> tuple[int, int, str]:
-        return self.rank, item, tag
+    def scatter(self, item: int, tag: str, method: str = "m") -> tuple[int, int, str, str]:
+        return self.rank, item, tag, method
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "scale": self.scale}
@@ -186,7 +186,11 @@ def test_one_to_all_all_to_all_rank_zero_and_non_blocking(groups_shared):
         (0, 2, "critic"),
         (1, 2, "critic"),
     ]
-    assert critic.scatter([10, 11], tag=["a", "b"]) == [(0, 10, "a"), (1, 11, "b")]
+    # keyword names that the plumbing itself uses ("method") reach the worker intact
+    assert critic.scatter([10, 11], tag=["a", "b"], method=["x", "y"]) == [
+        (0, 10, "a", "x"),
+        (1, 11, "b", "y"),
+    ]
     assert critic.state_dict() == {"rank": 0, "scale": 3.0}
     with pytest.raises(
         ValueError, match="critic.scatter: ALL_TO_ALL needs argument 0 to be a list of 2"

@@ -53,13 +53,13 @@ def _gather(refs: Sequence[Any], ranks: Sequence[int], role: str, method: str) -
     """
     try:
         return ray.get(list(refs))
-    except (RayTaskError, RayActorError) as error:
+    except (RayTaskError, RayActorError):
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         finished = set(ready)
         for ref, rank in zip(refs, ranks, strict=True):
             if ref in finished:
                 _fetch_one(ref, rank, role, method)
-        raise WorkerError(role, -1, method, str(error)) from error
+        raise
 
 
 class PendingCall:

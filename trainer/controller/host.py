@@ -60,8 +60,12 @@ class WorkerHost:
         except Exception:
             raise WorkerError(role, self._rank, "__init__", traceback.format_exc()) from None
 
-    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``role``'s ``method``; a raised exception comes back as :class:`WorkerError`."""
+    def call(self, role: str, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``role``'s ``method``; a raised exception comes back as :class:`WorkerError`.
+
+        ``role`` and ``method`` are positional-only so that worker methods may
+        take keyword arguments of those names.
+        """
         try:
             return getattr(self._workers[role], method)(*args, **kwargs)
         except Exception:
