@@ -161,6 +161,10 @@ class LiveReporter:
         self.console.print(Text(file_line(result), style=style), soft_wrap=True)
         self._live.refresh()
 
+    def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None:
+        """The table already shows each running file's elapsed time: just redraw it."""
+        self._live.refresh()
+
     def interrupting(self, signum: int, second: bool) -> None:
         if second:
             self.say("gpusched: interrupted again: killing every running file now")
