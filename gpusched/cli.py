@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         usage="gpusched shard [PATHS] --gpus-per-runner N [--shards K --index I] [--run] "
         "[options] [-- PYTEST ARGS]",
     )
-    shard.add_argument("paths", nargs="*")
+    shard.add_argument(
+        "paths", nargs="*", help="files or directories (default: pytest's testpaths)"
+    )
     shard.add_argument(
         "--gpus-per-runner",
         type=int,
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     mat = sub.add_parser(
         "matrix", help="CI: a JSON job matrix, one entry per runner class and shard"
     )
-    mat.add_argument("paths", nargs="*")
+    mat.add_argument("paths", nargs="*", help="files or directories (default: pytest's testpaths)")
     mat.add_argument(
         "--shards", type=int, default=1, metavar="K", help="at most K shards per runner class"
     )
