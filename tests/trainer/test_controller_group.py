@@ -268,3 +268,29 @@ def test_worker_that_dies_is_a_clear_error_not_a_hang(groups_shared):
         group.shutdown()
     finally:
         manager.release()
+
+
+class NcclWorker(Worker):
+    dispatch = {"all_reduce_on_gpu": Dispatch.ONE_TO_ALL}
+
+    def all_reduce_on_gpu(self) -> tuple[str, float, str]:
+        self.init_distributed()
+        value = torch.full((1,), float(self.rank + 1), device="cuda")
+        dist.all_reduce(value)
+        return dist.get_backend(), value.item(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.mark.gpu1
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.is_available() is False"
+)
+def test_gpu_pool_brings_up_nccl_on_its_card(ray_shared):
+    manager = ResourcePoolManager({"gpu": ResourcePool([1], use_gpu=True)}, {"gpu": "gpu"})
+    try:
+        group = create_role_groups(manager, {"gpu": (NcclWorker, {})})["gpu"]
+        [(backend, total, visible)] = group.all_reduce_on_gpu()
+        group.shutdown()
+    finally:
+        manager.release()
+    assert backend == "nccl" and total == 1.0
+    assert visible != ""  # Ray gave the process its card
