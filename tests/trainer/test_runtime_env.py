@@ -325,3 +325,10 @@ def test_non_python_file_is_refused(tmp_path):
     path.write_text("def f(): pass\n")
     with pytest.raises(ValueError, match="not a Python file"):
         load_hook(f"{path}:f")
+
+
+def test_worker_setup_sets_the_trainer_log_level(monkeypatch):
+    monkeypatch.delenv(EXTRA_HOOK_VAR, raising=False)
+    monkeypatch.setenv("TRAINER_LOG_LEVEL", "debug")
+    worker_setup()
+    assert logging.getLogger("trainer").level == logging.DEBUG
