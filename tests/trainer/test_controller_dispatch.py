@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from trainer.controller import Dispatch, DispatchSpec, Worker, WorkerContext, create_worker
@@ -153,3 +154,22 @@ def test_context_is_set_before_subclass_init():
     assert seen == {"rank": 2, "world": 4, "port": 1234, "role": "critic", "tag": "t"}
     plain = W("u")  # outside a group: rank 0 of 1
     assert (plain.rank, plain.world_size) == (0, 1)
+
+
+def test_init_distributed_outside_a_group(monkeypatch):
+    class Solo(Worker):
+        pass
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "unset")  # init_distributed sets them; restored after the test
+
+    lone = Solo()  # rank 0 of 1: picks its own port
+    try:
+        lone.init_distributed()
+        assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        lone.init_distributed()  # idempotent
+    finally:
+        dist.destroy_process_group()
+    stray = create_worker(Solo, WorkerContext(rank=1, world_size=2), {})
+    with pytest.raises(RuntimeError, match="rank 1 of 2 has no master_port"):
+        stray.init_distributed()

@@ -24,6 +24,7 @@ from trainer import batch as B
 from trainer.controller import (
     Dispatch,
     DispatchSpec,
+    InfeasibleError,
     PendingCall,
     ResourcePool,
     ResourcePoolManager,
@@ -252,6 +253,18 @@ def test_dispatch_names_that_clash_with_the_group_are_refused(ray_shared):
         create_role_groups(manager, {"x": (Clash, {})})
     with pytest.raises(KeyError, match="role 'y' is not mapped"):
         create_role_groups(manager, {"y": (Clash, {})})
+
+
+def test_pool_feasible_on_paper_but_taken_is_an_error_not_a_wait(groups_shared):
+    # 5 CPUs in the cluster, 3 held by the shared groups: 3 more fit on paper only
+    manager = ResourcePoolManager({"late": ResourcePool([3])}, {"late": "late"})
+    start = time.monotonic()
+    with pytest.raises(InfeasibleError, match=r"resource pool 'late'.*not ready after 1 s"):
+        manager.reserve(timeout_s=1)
+    assert time.monotonic() - start < 10
+    assert ray.util.placement_group_table() and all(
+        pg["state"] != "PENDING" for pg in ray.util.placement_group_table().values()
+    )  # the pending group was removed, not left to grab resources later
 
 
 def test_worker_that_dies_is_a_clear_error_not_a_hang(groups_shared):

@@ -10,7 +10,6 @@ group's proxies, named after the worker methods.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 
 from trainer.controller.errors import WorkerError
 from trainer.controller.worker import Worker, WorkerContext, create_worker
+from trainer.distributed import free_port
 
 __all__ = ["WorkerHost"]
 
@@ -35,9 +35,7 @@ class WorkerHost:
 
     def info(self) -> dict[str, Any]:
         """Where this process runs: pid, node, address, a free port, GPU ids."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        port = free_port("")  # all interfaces: the other ranks connect from their nodes
         ctx = ray.get_runtime_context()
         return {
             "pid": os.getpid(),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import socket
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.controller.modes import DispatchSpec, as_spec
+from trainer.distributed import default_backend, free_port
 
 __all__ = ["Worker", "WorkerContext", "create_worker"]
 
@@ -119,25 +119,29 @@ class Worker:
                     f"world size {dist.get_world_size()}, this worker expects {self.world_size}"
                 )
             return
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        port = self.master_port or _free_port()
+        if self.world_size > 1 and not self.master_port:
+            raise RuntimeError(
+                f"{self.role or type(self).__name__}: rank {self.rank} of {self.world_size} has no "
+                "master_port; workers of a group get one from create_role_groups"
+            )
+        backend = backend or default_backend()
+        port = self.master_port or free_port(self.master_addr)
         if backend == "nccl":
             torch.cuda.set_device(0)
-        os.environ.setdefault("MASTER_ADDR", self.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(port))
+        # For libraries that read the usual variables; this process is this rank's own.
+        os.environ.update(
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+        )
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self.master_addr}:{port}",
             rank=self.rank,
             world_size=self.world_size,
         )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def create_worker(cls: type[Worker], context: WorkerContext, kwargs: dict[str, Any]) -> Worker:
