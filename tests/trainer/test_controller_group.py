@@ -255,6 +255,31 @@ def test_dispatch_names_that_clash_with_the_group_are_refused(ray_shared):
         create_role_groups(manager, {"y": (Clash, {})})
 
 
+class BrokenInitWorker(Worker):
+    dispatch = {"ping": Dispatch.ONE_TO_ALL}
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        with open(path) as handle:  # the path does not exist
+            handle.read()
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def test_worker_constructor_error_names_role_and_rank(groups_shared):
+    manager = ResourcePoolManager({"solo": ResourcePool([1])}, {"broken": "solo"})
+    try:
+        with pytest.raises(WorkerError) as info:
+            create_role_groups(
+                manager, {"broken": (BrokenInitWorker, {"path": "/nonexistent/cfg"})}
+            )
+    finally:
+        manager.release()
+    assert (info.value.role, info.value.rank, info.value.method) == ("broken", 0, "__init__")
+    assert "FileNotFoundError" in str(info.value) and "/nonexistent/cfg" in str(info.value)
+
+
 def test_pool_feasible_on_paper_but_taken_is_an_error_not_a_wait(groups_shared):
     # 5 CPUs in the cluster, 3 held by the shared groups: 3 more fit on paper only
     manager = ResourcePoolManager({"late": ResourcePool([3])}, {"late": "late"})
