@@ -1,0 +1,244 @@
+"""``python -m trainer [key=value ...]``: train on a local Ray cluster.
+
+Defaults: the tiny built-in model, the ``repeat`` task, PPO with GAE and a
+critic, two colocated CPU workers. ``algo=grpo`` trains without a critic.
+Writes ``metrics.jsonl`` and ``reward_curve.png`` (and TensorBoard events when
+tensorboard is installed) to the run directory and prints where they are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.config import Config, ConfigError, load_config, to_dict
+
+USAGE = """usage: python -m trainer [key=value ...]
+
+Examples:
+  python -m trainer                                  PPO (GAE + critic) on the repeat task
+  python -m trainer algo=grpo                        GRPO, no critic
+  python -m trainer trainer.total_steps=20 seed=1    shorter run, another seed
+  python -m trainer data.train_files=[train.parquet] data.val_files=[val.parquet] \\
+      reward.function=my_pkg.rewards:score model.path=/models/Qwen2.5-0.5B
+  python -m trainer trainer.run_dir=runs/a trainer.save_every=10 trainer.resume=auto
+
+Every key is a field of trainer.config.Config (see docs/trainer.md).
+"""
+
+
+@dataclass
+class RunResult:
+    """What a run produced."""
+
+    run_dir: Path
+    metrics_path: Path
+    curve_path: Path
+    history: list[dict[str, float]]
+    final_val_reward: float | None
+    wall_s: float
+
+
+def default_run_dir(cfg: Config) -> Path:
+    """``runs/<time>-<algo>-seed<seed>`` under the current directory."""
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algo}-seed{cfg.seed}"
+
+
+class _Progress:
+    """A rich progress bar with the latest rewards; plain lines when disabled."""
+
+    def __init__(self, enabled: bool, total: int, start: int) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.last_val: float | None = None
+        if enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("reward {task.fields[reward]}"),
+                TextColumn("val {task.fields[val]}"),
+                TimeElapsedColumn(),
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(
+                "train", total=total, completed=start, reward="-", val="-"
+            )
+
+    def update(self, step: int, m: dict[str, float]) -> None:
+        if "val/reward_mean" in m:
+            self.last_val = m["val/reward_mean"]
+        if self.bar is not None:
+            self.bar.update(
+                self.task,
+                completed=step,
+                reward=f"{m.get('rollout/reward_mean', float('nan')):.3f}",
+                val="-" if self.last_val is None else f"{self.last_val:.3f}",
+            )
+        elif "val/reward_mean" in m:
+            print(
+                f"step {step}: reward {m.get('rollout/reward_mean', float('nan')):.3f} "
+                f"val/reward_mean {m['val/reward_mean']:.3f}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(cfg: Config) -> RunResult:
+    """Train ``cfg`` on a fresh local Ray cluster and write the run's outputs."""
+    import ray
+    import torch
+
+    from trainer import checkpoint as ckpt
+    from trainer.data import build_datasets
+    from trainer.models import load_tokenizer, resolve_model_path
+    from trainer.ppo import PPOTrainer, build_worker_groups, resolve_reward_fn, response_length
+    from trainer.tracking import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
+
+    t0 = time.perf_counter()
+    run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else default_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+
+    # Everything that can fail on bad input fails here, before Ray starts.
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(model_path)
+    train, val = build_datasets(cfg, tokenizer)
+    reward_fn = resolve_reward_fn(cfg)
+    max_new_tokens = response_length(cfg)
+    resume_from = ckpt.resolve_resume(cfg.trainer.resume, run_dir)
+    (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
+
+    try:
+        from trainer.netguard import apply_loopback_guard
+
+        apply_loopback_guard()
+    except ImportError:  # pragma: no cover - the guard ships with the trainer
+        pass
+    from trainer.runtime_env import get_runtime_env
+
+    ray.init(
+        num_cpus=cfg.trainer.ray_num_cpus or cfg.trainer.num_workers,
+        include_dashboard=False,
+        runtime_env=get_runtime_env(),
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    logger = None
+    progress = None
+    try:
+        groups = build_worker_groups(cfg, model_path, max_new_tokens)
+        actor, critic = groups["actor"], groups.get("critic")
+        actor.init_model()
+        if critic is not None:
+            critic.init_model()
+        trainer = PPOTrainer(
+            cfg,
+            actor,
+            critic,
+            tokenizer,
+            train,
+            val,
+            reward_fn,
+            max_new_tokens,
+            cfg.trainer.num_workers,
+        )
+        if resume_from is not None:
+            actor.load_checkpoint(str(resume_from))
+            if critic is not None:
+                critic.load_checkpoint(str(resume_from))
+            trainer.load_state_dict(ckpt.load_driver_state(resume_from))
+            print(f"trainer: resumed from {resume_from} at step {trainer.step}", flush=True)
+        logger = MetricsLogger(
+            run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=trainer.step
+        )
+        progress = _Progress(
+            cfg.trainer.progress and sys.stdout.isatty(), cfg.trainer.total_steps, trainer.step
+        )
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            metrics["timing/wall"] = time.perf_counter() - t0
+            logger.log(metrics, step)
+            progress.update(step, metrics)
+            every = cfg.trainer.save_every
+            if every and step and step % every == 0:
+
+                def save_workers(d: str) -> None:
+                    actor.save_checkpoint(d)
+                    if critic is not None:
+                        critic.save_checkpoint(d)
+
+                ckpt.save_checkpoint(run_dir, step, trainer.state_dict(), save_workers)
+
+        history = trainer.fit(on_step)
+    finally:
+        if progress is not None:
+            progress.close()
+        if logger is not None:
+            logger.close()
+        ray.shutdown()
+    rows = read_metrics(logger.path)
+    curve = plot_reward_curve(rows, run_dir / CURVE_FILE, title=f"{cfg.algo}, seed {cfg.seed}")
+    vals = [r["val/reward_mean"] for r in rows if r.get("val/reward_mean") is not None]
+    return RunResult(
+        run_dir, logger.path, curve, history, vals[-1] if vals else None, time.perf_counter() - t0
+    )
+
+
+def _yaml(d: dict[str, Any]) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(d))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse overrides, train, print where the outputs are. Returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    try:
+        cfg = load_config(args)
+    except ConfigError as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = run(cfg)
+    temp = (
+        cfg.rollout.val_temperature if cfg.rollout.val_temperature >= 0 else cfg.rollout.temperature
+    )
+    last = result.history[-1] if result.history else {}
+    print(
+        f"trainer: done: {len(result.history)} steps in {result.wall_s:.1f} s, "
+        f"final train reward {last.get('rollout/reward_mean', float('nan')):.3f}",
+        flush=True,
+    )
+    if result.final_val_reward is not None:
+        print(
+            f"trainer: val/reward_mean {result.final_val_reward:.3f} "
+            f"(sampled at temperature {temp:g}, {cfg.rollout.val_n} sample(s) per prompt)",
+            flush=True,
+        )
+    print(f"trainer: metrics: {result.metrics_path}", flush=True)
+    print(f"trainer: reward curve: {result.curve_path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""The single-controller PPO/GRPO driver.
+
+Top half: the driver-side math of a step as pure functions (rewards to token
+rewards, KL shaping, advantages, diagnostics), shared with
+:mod:`trainer.reference_loop`. Bottom half: :class:`PPOTrainer`, whose ``fit``
+reads like CleanRL's loop: generate -> reward -> old/ref log-probs -> values
+-> advantages -> critic update -> actor update -> validate -> log/checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from trainer import algos
+from trainer import batch as batch_ops
+from trainer.config import Config
+from trainer.data import PromptDataset, PromptLoader
+from trainer.rewards import RewardFn, score
+
+
+def score_responses(
+    reward_fn: RewardFn,
+    completions: list[str],
+    ground_truths: list[str],
+    extras: list[dict],
+    finished: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One scalar reward per response, each checked to lie in [0, 1].
+
+    With ``finished`` given, responses that did not finish (cut at the length
+    limit without EOS) score 0 without calling the reward function: an answer
+    that never stopped is not an answer (``reward.score_unfinished=true`` turns
+    this off).
+    """
+    done = [True] * len(completions) if finished is None else finished.tolist()
+    return torch.tensor(
+        [
+            score(reward_fn, c, g, **e) if ok else 0.0
+            for c, g, e, ok in zip(completions, ground_truths, extras, done, strict=True)
+        ],
+        dtype=torch.float32,
+    )
+
+
+def finished_mask(
+    responses: torch.Tensor, response_mask: torch.Tensor, eos_token_id: int
+) -> torch.Tensor:
+    """True for responses that ended with EOS within the length limit."""
+    return ((responses == eos_token_id) & response_mask.bool()).any(dim=1)
+
+
+def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's score on its last response token (zeros elsewhere)."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.sum(dim=1)
+    rows = torch.nonzero(lengths > 0).squeeze(1)
+    out[rows, lengths[rows] - 1] = scores[rows]
+    return out
+
+
+def apply_kl_in_reward(
+    token_rewards: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    kind: str,
+    coef: float,
+) -> tuple[torch.Tensor, float]:
+    """``r_t - coef * KL_t`` on response tokens; also returns the mean per-sequence KL."""
+    kl = algos.kl_penalty(old_log_probs, ref_log_probs, kind) * response_mask
+    seq_kl = kl.sum(dim=1)
+    valid = response_mask.sum(dim=1) > 0
+    mean_kl = float(seq_kl[valid].mean()) if valid.any() else 0.0
+    return token_rewards - coef * kl, mean_kl
+
+
+def compute_advantages(
+    algo: str,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns for ``algo`` (the estimators live in :mod:`trainer.algos`)."""
+    if algo == "gae":
+        if values is None:
+            raise ValueError("algo=gae needs critic values")
+        return algos.gae_advantages(token_rewards, values, response_mask, gamma, lam)
+    if algo in ("grpo", "grpo_no_std"):
+        return algos.grpo_advantages(
+            token_rewards, response_mask, group_ids, norm_by_std=algo == "grpo"
+        )
+    if algo == "rloo":
+        return algos.rloo_advantages(token_rewards, response_mask, group_ids)
+    if algo == "reinforce_pp":
+        return algos.reinforce_pp_advantages(token_rewards, response_mask, gamma)
+    raise ValueError(f"algo={algo!r}: unknown advantage estimator")
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[returns - values] / Var[returns] over masked tokens (nan when Var[returns] = 0)."""
+    m = mask.bool()
+    y, v = returns[m], values[m]
+    if y.numel() < 2:
+        return float("nan")
+    var_y = torch.var(y)
+    return float("nan") if var_y == 0 else float(1 - torch.var(y - v) / var_y)
+
+
+def group_ids_for(num_prompts: int, n: int, offset: int = 0) -> torch.Tensor:
+    """Group id per sample after repeating each prompt ``n`` times in place."""
+    return torch.arange(offset, offset + num_prompts).repeat_interleave(n)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of ``x`` over ``mask`` (0.0 when empty)."""
+    m = mask.bool()
+    return float(x[m].mean()) if m.any() else 0.0
+
+
+def response_length(cfg) -> int:
+    """``rollout.max_response_length``, or the synthetic task's default when 0."""
+    from trainer.tasks import get_task
+
+    if cfg.rollout.max_response_length:
+        return int(cfg.rollout.max_response_length)
+    return get_task(cfg.data.task).max_response_length if not cfg.data.train_files else 64
+
+
+def resolve_reward_fn(cfg) -> RewardFn:
+    """``reward.function`` if set; else the synthetic task's rule, or exact match for files."""
+    from trainer.rewards import exact_match, load_reward_fn
+    from trainer.tasks import get_task
+
+    if cfg.reward.function:
+        return load_reward_fn(cfg.reward.function)
+    return exact_match if cfg.data.train_files else get_task(cfg.data.task).reward
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Response text without its final EOS.
+
+    Other special tokens stay in the text: a policy that "stops" by emitting
+    padding or BOS must not look like one that answered and stopped.
+    """
+    eos = tokenizer.eos_token_id
+    seqs = []
+    for r, m in zip(responses, response_mask, strict=True):
+        toks = r[m.bool()].tolist()
+        if toks and toks[-1] == eos:
+            toks = toks[:-1]
+        seqs.append(toks)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=False)
+
+
+def build_worker_groups(cfg: Config, model_path: str, max_new_tokens: int) -> dict[str, Any]:
+    """Start the role groups on the running Ray cluster: actor (+ critic), colocated.
+
+    One pool of ``trainer.num_workers`` single-CPU processes; the actor and the
+    critic (GAE only) share those processes and their gloo group.
+    """
+    from trainer.controller import ResourcePool, ResourcePoolManager, create_role_groups
+    from trainer.workers import ActorRolloutRefWorker, CriticWorker
+
+    roles = {"actor": "train"}
+    actor_kwargs = {"config": cfg, "model_path": model_path, "max_new_tokens": max_new_tokens}
+    specs: dict[str, Any] = {"actor": (ActorRolloutRefWorker, actor_kwargs)}
+    if cfg.use_critic:
+        roles["critic"] = "train"
+        specs["critic"] = (CriticWorker, {"config": cfg, "model_path": model_path})
+    manager = ResourcePoolManager({"train": ResourcePool([cfg.trainer.num_workers])}, roles)
+    return create_role_groups(manager, specs)
+
+
+def shutdown_worker_groups(groups: dict[str, Any]) -> None:
+    """Kill the groups' processes and release their placement groups."""
+    pools = {}
+    for group in groups.values():
+        group.shutdown()
+        pools[id(group.pool)] = group.pool
+    for pool in pools.values():
+        pool.release()
+
+
+def make_kl_controller(cfg: Config) -> algos.FixedKLController | algos.AdaptiveKLController:
+    """The KL coefficient controller named by ``algorithm.kl_ctrl``."""
+    a = cfg.algorithm
+    if a.kl_ctrl == "adaptive":
+        return algos.AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
+    return algos.FixedKLController(a.kl_coef)
+
+
+def pad_for_update(batch: TensorDict, divisor: int) -> TensorDict:
+    """Pad to a multiple of ``divisor`` rows with rows that carry no loss.
+
+    The padding rows copy real rows (so every tensor is well formed) but have
+    an all-zero ``response_mask`` and zero advantages: global aggregation
+    ignores them, so a batch the data-parallel size does not divide trains
+    exactly like the unpadded one.
+    """
+    padded, pad = batch_ops.pad_to_divisor(batch, divisor)
+    if pad:
+        n = batch.batch_size[0]
+        padded["response_mask"][n:] = 0
+        padded["advantages"][n:] = 0
+    return padded
+
+
+@contextmanager
+def _timed(metrics: dict[str, float], key: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[f"timing/{key}"] = time.perf_counter() - t0
+
+
+class PPOTrainer:
+    """The single controller: holds the schedule of an RL step; workers do the compute.
+
+    ``actor`` and ``critic`` are role groups (or anything with the same
+    methods): ``actor.generate_sequences``, ``compute_log_prob``,
+    ``compute_ref_log_prob``, ``update_actor``; ``critic.compute_values``,
+    ``update_critic``. DP_SPLIT methods take the whole batch and return it
+    whole; metrics come back one dict per rank.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        actor: Any,
+        critic: Any | None,
+        tokenizer: Any,
+        train: PromptDataset,
+        val: PromptDataset,
+        reward_fn: RewardFn,
+        max_new_tokens: int,
+        world_size: int,
+    ) -> None:
+        self.cfg = cfg
+        self.actor, self.critic = actor, critic
+        self.tokenizer = tokenizer
+        self.train, self.val = train, val
+        self.reward_fn = reward_fn
+        self.max_new_tokens = max_new_tokens
+        self.world_size = world_size
+        self.loader = PromptLoader(
+            len(train), cfg.data.train_batch_size, cfg.seed, cfg.data.shuffle
+        )
+        self.kl_ctrl = make_kl_controller(cfg)
+        self.step = 0
+        mini = [cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size]
+        if cfg.use_critic:
+            mini.append(cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size)
+        self.update_divisor = world_size * math.lcm(*mini)
+
+    # ----------------------------------------------------------------- one step
+
+    def train_step(self) -> dict[str, float]:
+        """One PPO iteration: rollout, rewards, advantages, critic and actor updates."""
+        cfg, n, m = self.cfg, self.cfg.rollout.n, {}
+        step = self.step
+        t_start = time.perf_counter()
+        indices = self.loader.next_indices()
+        prompts, gts, extras = self.train.batch(indices)
+        group_ids = group_ids_for(len(indices), n)
+        prompts = batch_ops.repeat_interleave(prompts, n)
+        gts = [gts[i] for i in group_ids.tolist()]
+        extras = [extras[i] for i in group_ids.tolist()]
+
+        # 1. rollout: n samples per prompt
+        with _timed(m, "gen"):
+            batch = self.actor.generate_sequences(prompts)
+        mask = batch["response_mask"]
+
+        # 2. rewards from the rule (or user function) on the decoded text
+        with _timed(m, "reward"):
+            texts = decode_responses(self.tokenizer, batch["responses"], mask)
+            scores = score_responses(self.reward_fn, texts, gts, extras, self._finished(batch))
+            token_rewards = token_level_rewards(scores, mask)
+
+        # 3. log-probs under the policy that sampled (and the reference), values
+        with _timed(m, "old_log_prob"):
+            lp = self.actor.compute_log_prob(batch)
+        batch["old_log_probs"] = lp["old_log_probs"]
+        if cfg.use_reference:
+            with _timed(m, "ref"):
+                batch["ref_log_probs"] = self.actor.compute_ref_log_prob(batch)["ref_log_probs"]
+        if cfg.algorithm.use_kl_in_reward:
+            token_rewards, seq_kl = apply_kl_in_reward(
+                token_rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                mask,
+                cfg.algorithm.kl_penalty,
+                self.kl_ctrl.value,
+            )
+            m["actor/reward_kl"], m["actor/kl_coef"] = seq_kl, float(self.kl_ctrl.value)
+            self.kl_ctrl.update(seq_kl, len(indices) * n)
+        values = None
+        if self.critic is not None:
+            with _timed(m, "values"):
+                values = self.critic.compute_values(batch)["values"]
+            batch["values"] = values
+
+        # 4. advantages on the driver
+        with _timed(m, "adv"):
+            adv, returns = compute_advantages(
+                cfg.algo,
+                token_rewards,
+                mask,
+                group_ids,
+                values,
+                cfg.algorithm.gamma,
+                cfg.algorithm.lam,
+            )
+        batch["advantages"], batch["returns"] = adv, returns
+        update_batch = pad_for_update(batch, self.update_divisor)
+
+        # 5. critic update, then actor update once the critic has warmed up
+        if self.critic is not None:
+            with _timed(m, "update_critic"):
+                m.update(batch_ops.merge_metrics(self.critic.update_critic(update_batch, step)))
+            m["critic/explained_variance"] = explained_variance(values, returns, mask)
+            m["critic/values_mean"] = masked_mean(values, mask)
+            m["critic/returns_mean"] = masked_mean(returns, mask)
+        if step >= cfg.critic.warmup_steps:
+            with _timed(m, "update_actor"):
+                m.update(batch_ops.merge_metrics(self.actor.update_actor(update_batch, step)))
+
+        elapsed = time.perf_counter() - t_start
+        n_tokens = int(mask.sum())
+        m.update(
+            {
+                "rollout/reward_mean": float(scores.mean()),
+                "rollout/reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
+                "rollout/exact": float((scores == 1).float().mean()),
+                "rollout/response_length": float(mask.sum(1).float().mean()),
+                "actor/entropy": masked_mean(lp["entropy"], mask),
+                "actor/advantages_mean": masked_mean(adv, mask),
+                "timing/step": elapsed,
+                "perf/tokens_per_s": n_tokens / max(elapsed, 1e-9),
+                "perf/response_tokens": float(n_tokens),
+            }
+        )
+        m.update(self.train.metrics("rollout"))
+        self.step += 1
+        return m
+
+    def validate(self) -> dict[str, float]:
+        """Mean reward over the validation prompts at ``rollout.val_temperature``."""
+        vn = self.cfg.rollout.val_n
+        t0 = time.perf_counter()
+        prompts, gts, extras = self.val.batch(range(len(self.val)))
+        rep = group_ids_for(len(self.val), vn).tolist()
+        out = self.actor.generate_sequences(
+            batch_ops.repeat_interleave(prompts, vn), validation=True
+        )
+        texts = decode_responses(self.tokenizer, out["responses"], out["response_mask"])
+        scores = score_responses(
+            self.reward_fn,
+            texts,
+            [gts[i] for i in rep],
+            [extras[i] for i in rep],
+            self._finished(out),
+        )
+        return {
+            "val/reward_mean": float(scores.mean()),
+            "val/exact": float((scores == 1).float().mean()),
+            "timing/val": time.perf_counter() - t0,
+        }
+
+    def _finished(self, batch: TensorDict) -> torch.Tensor | None:
+        if self.cfg.reward.score_unfinished:
+            return None
+        return finished_mask(
+            batch["responses"], batch["response_mask"], self.tokenizer.eos_token_id
+        )
+
+    # ----------------------------------------------------------------- the loop
+
+    def fit(
+        self, on_step: Callable[[int, dict[str, float]], None] | None = None
+    ) -> list[dict[str, float]]:
+        """Train from ``self.step`` to ``trainer.total_steps``.
+
+        After each step: validate every ``trainer.val_every`` steps (and after
+        the last), then ``on_step(step, metrics)`` (logging, checkpoints).
+        Stops early once validation reward reaches ``trainer.stop_at_val_reward``.
+        """
+        t = self.cfg.trainer
+        history = []
+        if t.val_before_train and self.step == 0:
+            first = self.validate()
+            if on_step is not None:
+                on_step(0, first)
+        while self.step < t.total_steps:
+            metrics = self.train_step()
+            done = self.step == t.total_steps
+            if t.val_every and (self.step % t.val_every == 0 or done):
+                metrics.update(self.validate())
+            history.append(metrics)
+            if on_step is not None:
+                on_step(self.step, metrics)
+            if (
+                t.stop_at_val_reward
+                and metrics.get("val/reward_mean", -1.0) >= t.stop_at_val_reward
+            ):
+                break
+        return history
+
+    # ----------------------------------------------------------------- checkpoint state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Driver state for a checkpoint: step, data position, KL controller, RNG states."""
+        return {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])

@@ -1,0 +1,89 @@
+"""Where metrics go: JSON lines, a reward-curve PNG, TensorBoard when installed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "reward_curve.png"
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl``.
+
+    Appending (not truncating) lets a resumed run continue the same file; the
+    lines after the resume point are dropped first so no step appears twice.
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int = 0) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if resume_step and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif not resume_step:
+            self.path.write_text("")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed: JSON lines only
+                self.tb = None
+            else:
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Write ``metrics`` for ``step`` (non-finite floats become null)."""
+        row = {"step": step}
+        for k, v in metrics.items():
+            v = float(v)
+            row[k] = v if math.isfinite(v) else None
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics JSON-lines file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_reward_curve(rows: list[dict[str, Any]], out: str | Path, title: str = "") -> Path:
+    """Training and validation reward against step, saved as a PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in rows if r.get("rollout/reward_mean") is not None]
+    ax.plot(
+        steps,
+        [r["rollout/reward_mean"] for r in rows if r.get("rollout/reward_mean") is not None],
+        label="train reward (sampled)",
+    )
+    val = [(r["step"], r["val/reward_mean"]) for r in rows if r.get("val/reward_mean") is not None]
+    if val:
+        ax.plot(*zip(*val, strict=True), marker="o", label="val reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

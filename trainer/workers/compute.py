@@ -1,0 +1,270 @@
+"""The model-side math of a PPO step, shared by the Ray workers and the reference loop.
+
+Pure functions of (module, optimizer, batch, settings, process group): the
+workers call them on their data-parallel shard with the dp group, the
+single-process reference loop calls them on the whole batch with no group.
+Same code, so the benchmark compares orchestration overhead, not two
+implementations.
+
+Batch layout (see :func:`trainer.rollout.finish_responses`): ``input_ids``,
+``attention_mask``, ``position_ids`` of shape (B, P + R), ``response_mask``
+(B, R); update batches add ``old_log_probs``, ``advantages`` (and
+``ref_log_probs``, ``values``, ``returns`` as needed).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from trainer import algos
+
+
+@dataclass(frozen=True)
+class PolicyUpdateSettings:
+    """Everything :func:`update_policy` needs besides model, optimizer and data."""
+
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    micro_batch_size: int = 64
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    grad_clip: float = 1.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k3"
+    temperature: float = 1.0
+    shuffle_seed: int = 0
+
+
+@dataclass(frozen=True)
+class ValueUpdateSettings:
+    """Everything :func:`update_value` needs besides model, optimizer and data."""
+
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    micro_batch_size: int = 64
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+    shuffle_seed: int = 0
+
+
+def _response_len(batch: TensorDict) -> int:
+    return batch["response_mask"].shape[1]
+
+
+def response_logits(model: torch.nn.Module, batch: TensorDict, temperature: float) -> torch.Tensor:
+    """Logits (B, R, V) predicting each response token, divided by ``temperature``.
+
+    The token at sequence position t is predicted by the logits at t - 1, so
+    the response's predictions are positions P - 1 .. P + R - 2.
+    """
+    r = _response_len(batch)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    )
+    logits = out.logits[:, -r - 1 : -1, :].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return logits
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] for every position."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def compute_log_probs(
+    model: torch.nn.Module, batch: TensorDict, temperature: float, micro_batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies (B, R) of the batch's responses, no grad."""
+    was_training = model.training
+    model.eval()
+    try:
+        lps, ents = [], []
+        for mb in batch.split(micro_batch_size):
+            logits = response_logits(model, mb, temperature)
+            lps.append(token_log_probs(logits, mb["responses"]))
+            ents.append(algos.entropy_from_logits(logits))
+    finally:
+        model.train(was_training)
+    return torch.cat(lps), torch.cat(ents)
+
+
+def critic_token_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    """V(s_t) (B, R): the value head read at the position before each response token."""
+    r = _response_len(batch)
+    out = critic(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    )
+    return out.logits[:, -r - 1 : -1, 0].float() * batch["response_mask"]
+
+
+@torch.no_grad()
+def compute_values(
+    critic: torch.nn.Module, batch: TensorDict, micro_batch_size: int
+) -> torch.Tensor:
+    """Values (B, R) of the batch's response positions, no grad."""
+    was_training = critic.training
+    critic.eval()
+    try:
+        return torch.cat([critic_token_values(critic, mb) for mb in batch.split(micro_batch_size)])
+    finally:
+        critic.train(was_training)
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Average gradients over the data-parallel group with one flat all-reduce.
+
+    A no-op when torch.distributed is not initialised (the reference loop).
+    Parameters without a gradient contribute zeros, so every rank sends the
+    same shapes.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= world
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(synced)
+
+
+def _mini_batches(batch: TensorDict, num_mini_batches: int, seed: int) -> list[TensorDict]:
+    """Shuffle (seeded, so reproducible) and split into ``num_mini_batches`` equal parts."""
+    n = batch.batch_size[0]
+    if n % num_mini_batches:
+        raise ValueError(
+            f"local batch of {n} rows does not split into {num_mini_batches} mini-batches; "
+            "the driver pads the batch so this cannot happen"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n, generator=gen)
+    return list(batch[perm].split(n // num_mini_batches))
+
+
+def _mean_metrics(acc: dict[str, list[float]]) -> dict[str, float]:
+    return {k: float(sum(v) / len(v)) for k, v in acc.items() if v}
+
+
+def update_policy(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TensorDict,
+    s: PolicyUpdateSettings,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """PPO epochs x mini-batches x micro-batches on this rank's shard; one optimizer step per mini-batch.
+
+    Loss normalisation is global (:func:`trainer.algos.agg_norm` over the whole
+    mini-batch on all dp ranks), so the parameters after a step do not depend on
+    the micro-batch size or the number of ranks.
+    """
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    acc: dict[str, list[float]] = defaultdict(list)
+    for epoch in range(s.ppo_epochs):
+        for mini in _mini_batches(batch, s.num_mini_batches, s.shuffle_seed * 1000 + epoch):
+            norm = algos.agg_norm(mini["response_mask"], s.loss_agg_mode, group=group)
+            optimizer.zero_grad(set_to_none=True)
+            # Micro-batch losses are shares of the mini-batch loss: sum them.
+            mini_loss = 0.0
+            for micro in mini.split(s.micro_batch_size):
+                mask = micro["response_mask"]
+                logits = response_logits(model, micro, s.temperature)
+                log_prob = token_log_probs(logits, micro["responses"])
+                pg_loss, pg_metrics = algos.policy_loss(
+                    micro["old_log_probs"],
+                    log_prob,
+                    micro["advantages"],
+                    mask,
+                    clip_low=s.clip_low,
+                    clip_high=s.clip_high,
+                    clip_c=s.clip_c,
+                    agg=s.loss_agg_mode,
+                    norm=norm,
+                )
+                loss = pg_loss
+                if s.entropy_coeff != 0:
+                    entropy = algos.entropy_from_logits(logits)
+                    ent_loss = algos.aggregate(entropy, mask, s.loss_agg_mode, norm=norm)
+                    loss = loss - s.entropy_coeff * ent_loss
+                if s.use_kl_loss:
+                    kl = algos.kl_penalty(log_prob, micro["ref_log_probs"], s.kl_loss_type)
+                    kl_loss = algos.aggregate(kl, mask, s.loss_agg_mode, norm=norm)
+                    loss = loss + s.kl_loss_coef * kl_loss
+                    acc["actor/kl_loss"].append(kl_loss.item())
+                loss.backward()
+                mini_loss += pg_loss.item()
+                for k, v in pg_metrics.items():
+                    acc[f"actor/{k}"].append(float(v))
+            acc["actor/pg_loss"].append(mini_loss)
+            allreduce_gradients(params, group)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            acc["actor/grad_norm"].append(grad_norm.item())
+    return _mean_metrics(acc)
+
+
+def update_value(
+    critic: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TensorDict,
+    s: ValueUpdateSettings,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Clipped value regression on ``returns``, with the same global aggregation as the policy."""
+    critic.train()
+    params = [p for p in critic.parameters() if p.requires_grad]
+    acc: dict[str, list[float]] = defaultdict(list)
+    for epoch in range(s.ppo_epochs):
+        for mini in _mini_batches(batch, s.num_mini_batches, s.shuffle_seed * 1000 + epoch):
+            norm = algos.agg_norm(mini["response_mask"], s.loss_agg_mode, group=group)
+            optimizer.zero_grad(set_to_none=True)
+            mini_loss = 0.0
+            for micro in mini.split(s.micro_batch_size):
+                values = critic_token_values(critic, micro)
+                vf_loss, vf_metrics = algos.value_loss(
+                    values,
+                    micro["values"],
+                    micro["returns"],
+                    micro["response_mask"],
+                    clip=s.cliprange_value,
+                    agg=s.loss_agg_mode,
+                    norm=norm,
+                )
+                vf_loss.backward()
+                mini_loss += vf_loss.item()
+                for k, v in vf_metrics.items():
+                    acc[f"critic/{k}"].append(float(v))
+            acc["critic/vf_loss"].append(mini_loss)
+            allreduce_gradients(params, group)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            acc["critic/grad_norm"].append(grad_norm.item())
+    return _mean_metrics(acc)

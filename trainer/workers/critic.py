@@ -1,0 +1,64 @@
+"""The critic worker: a value model trained on GAE returns, data-parallel like the actor."""
+
+from __future__ import annotations
+
+from tensordict import TensorDict
+
+from trainer.config import Config
+from trainer.controller import Dispatch, Worker
+from trainer.workers.actor import seed_worker, worker_device
+from trainer.workers.compute import compute_values, update_value
+from trainer.workers.settings import value_settings
+from trainer.workers.setup import build_critic, build_optimizer
+from trainer.workers.state import load_training_state, save_training_state
+
+
+class CriticWorker(Worker):
+    """Value model (the policy's backbone with a scalar token head) and its optimizer."""
+
+    dispatch = {
+        "init_model": Dispatch.ONE_TO_ALL,
+        "compute_values": Dispatch.DP_SPLIT,
+        "update_critic": Dispatch.DP_SPLIT,
+        "save_checkpoint": Dispatch.ONE_TO_ALL,
+        "load_checkpoint": Dispatch.ONE_TO_ALL,
+    }
+
+    def __init__(self, config: Config, model_path: str) -> None:
+        super().__init__()
+        self.cfg = config
+        self.model_path = model_path
+        self.device = worker_device()
+
+    def init_model(self) -> None:
+        """Join the process group (shared with a colocated actor) and build critic + optimizer."""
+        self.init_distributed()
+        seed_worker(self.cfg.seed, self.rank)
+        self.critic = build_critic(self.model_path, self.cfg.seed).to(self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.critic, self.cfg.critic.optim)
+
+    def compute_values(self, batch: TensorDict) -> TensorDict:
+        """``values`` (B, R) for this rank's rows."""
+        v = compute_values(self.critic, batch.to(self.device), self.cfg.critic.micro_batch_size)
+        return TensorDict({"values": v.cpu()}, batch_size=batch.batch_size)
+
+    def update_critic(self, batch: TensorDict, step: int) -> dict[str, float]:
+        """Clipped value regression on this rank's shard (gradients averaged over ranks)."""
+        metrics = update_value(
+            self.critic, self.optimizer, batch.to(self.device), value_settings(self.cfg, step)
+        )
+        self.scheduler.step()
+        metrics["critic/lr"] = float(self.scheduler.get_last_lr()[0])
+        return metrics
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write critic, optimizer, scheduler (rank 0) and this rank's RNG states."""
+        save_training_state(
+            directory, "critic", self.rank, self.critic, self.optimizer, self.scheduler
+        )
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        load_training_state(
+            directory, "critic", self.rank, self.critic, self.optimizer, self.scheduler
+        )

@@ -1,0 +1,49 @@
+"""Translate the configuration into the settings the compute functions take."""
+
+from __future__ import annotations
+
+from trainer.config import Config
+from trainer.rollout import SamplingParams
+from trainer.workers.compute import PolicyUpdateSettings, ValueUpdateSettings
+
+
+def policy_settings(cfg: Config, step: int) -> PolicyUpdateSettings:
+    """Actor update settings; the shuffle seed varies with the step, reproducibly."""
+    a = cfg.actor
+    return PolicyUpdateSettings(
+        ppo_epochs=a.ppo_epochs,
+        num_mini_batches=cfg.data.train_batch_size // a.ppo_mini_batch_size,
+        micro_batch_size=a.micro_batch_size,
+        clip_low=a.clip_ratio_low,
+        clip_high=a.clip_ratio_high,
+        clip_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        entropy_coeff=a.entropy_coeff,
+        grad_clip=a.grad_clip,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        temperature=cfg.rollout.temperature,
+        shuffle_seed=cfg.seed * 1_000_003 + step,
+    )
+
+
+def value_settings(cfg: Config, step: int) -> ValueUpdateSettings:
+    """Critic update settings."""
+    c = cfg.critic
+    return ValueUpdateSettings(
+        ppo_epochs=c.ppo_epochs,
+        num_mini_batches=cfg.data.train_batch_size // c.ppo_mini_batch_size,
+        micro_batch_size=c.micro_batch_size,
+        cliprange_value=c.cliprange_value,
+        loss_agg_mode=c.loss_agg_mode,
+        grad_clip=c.grad_clip,
+        shuffle_seed=cfg.seed * 1_000_003 + step + 7,
+    )
+
+
+def sampling_params(cfg: Config, max_new_tokens: int, validation: bool = False) -> SamplingParams:
+    """Training sampling, or validation sampling (``rollout.val_temperature`` if >= 0)."""
+    r = cfg.rollout
+    temp = r.val_temperature if validation and r.val_temperature >= 0 else r.temperature
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, top_p=r.top_p)
