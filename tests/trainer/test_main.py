@@ -1,0 +1,102 @@
+"""Acceptance: ``python -m trainer`` as a user runs it, on tiny inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from trainer.models import ensure_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
+    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    e.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
+    ensure_tiny_model(cache_dir=cache)
+    try:
+        yield e
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _trainer(env, *args, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_a_tiny_run_prints_where_its_outputs_are(env, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _trainer(
+        env,
+        "algo=grpo",
+        f"trainer.run_dir={run_dir}",
+        "trainer.total_steps=2",
+        "trainer.val_every=1",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        "critic.ppo_mini_batch_size=2",
+        "rollout.n=2",
+        "data.num_val_examples=4",
+        "data.num_train_examples=16",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(
+        r"^trainer: done: 2 steps in [\d.]+ s, final train reward [\d.]+$", out, re.M
+    ), out
+    assert re.search(
+        r"^trainer: val/reward_mean [\d.]+ \(sampled at temperature 1, 1 sample\(s\) per prompt\)$",
+        out,
+        re.M,
+    )
+    metrics = Path(re.search(r"^trainer: metrics: (.+)$", out, re.M).group(1))
+    curve = Path(re.search(r"^trainer: reward curve: (.+)$", out, re.M).group(1))
+    assert metrics == run_dir / "metrics.jsonl" and curve == run_dir / "reward_curve.png"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in (
+        "rollout/reward_mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/approx_kl",
+        "val/reward_mean",
+        "timing/step",
+        "perf/tokens_per_s",
+    ):
+        assert key in rows[-1], key
+    assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "config.yaml").read_text().startswith("algo: grpo")
+
+
+def test_help_and_bad_overrides(env):
+    assert "usage: python -m trainer" in _trainer(env, "--help").stdout
+    bad = _trainer(env, "data.train_batch_size=5", "actor.ppo_mini_batch_size=2")
+    assert bad.returncode == 2
+    assert "actor.ppo_mini_batch_size=2 does not divide data.train_batch_size=5" in bad.stderr
+
+
+def test_a_bad_data_file_fails_at_start_naming_file_and_column(env, tmp_path):
+    f = tmp_path / "train.jsonl"
+    f.write_text(json.dumps({"question": "1+1=", "ground_truth": "2"}) + "\n")
+    proc = _trainer(env, f"data.train_files=[{f}]", f"trainer.run_dir={tmp_path / 'r'}", timeout=60)
+    assert proc.returncode != 0
+    assert f"{f}: missing column 'prompt'" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr  # failed before starting Ray
