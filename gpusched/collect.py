@@ -36,6 +36,7 @@ class CollectedFile:
     path: str
     requirement: Requirement
     tests: tuple[str, ...]
+    levels: tuple[Requirement, ...] = ()  # the distinct requirements of its tests
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,10 @@ def parse_report(payload: dict) -> Collection:
     for entry in payload["files"]:
         collection.files.append(
             CollectedFile(
-                entry["path"], Requirement(entry["gpus"], entry["memory"]), tuple(entry["tests"])
+                entry["path"],
+                Requirement(entry["gpus"], entry["memory"]),
+                tuple(entry["tests"]),
+                tuple(Requirement(gpus, memory) for gpus, memory in entry.get("levels", [])),
             )
         )
     for entry in payload["errors"]:

@@ -230,11 +230,14 @@ def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
     for item in state.selected:
         requirement = state.requirements.get(item.nodeid, Requirement())
         entry = files.setdefault(
-            str(Path(item.path).resolve()), {"gpus": 0, "memory": None, "tests": []}
+            str(Path(item.path).resolve()), {"gpus": 0, "memory": None, "tests": [], "levels": []}
         )
         combined = Requirement(entry["gpus"], entry["memory"]).combine(requirement)
         entry["gpus"], entry["memory"] = combined.gpus, combined.memory
         entry["tests"].append(item.nodeid)
+        level = [requirement.gpus, requirement.memory]
+        if level not in entry["levels"]:
+            entry["levels"].append(level)
     payload = {
         "rootdir": str(config.rootpath),
         "files": [{"path": p, **entry} for p, entry in files.items()],

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusched.childenv import local_tmp_root, read_mounts
-from gpusched.collect import Collection, CollectionFailed, collect
+from gpusched.collect import CollectedFile, Collection, CollectionFailed, collect
 from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
@@ -43,10 +43,10 @@ from gpusched.report import (
     log_tail,
     summary_lines,
 )
-from gpusched.requirements import format_memory
+from gpusched.requirements import Requirement, format_memory
 from gpusched.results import FileResult, Outcome, TestResult
 from gpusched.runner import RunConfig, Runner
-from gpusched.scheduler import Job, simulate
+from gpusched.scheduler import Job, largest_fitting, simulate
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
 STATE_DIR = Path(".gpusched")
@@ -79,6 +79,15 @@ def selection_args(settings: dict[str, Any]) -> list[str]:
     return args
 
 
+def runnable_requirement(entry: CollectedFile, cards: Sequence[Card]) -> Requirement:
+    """The file's requirement, lowered to the largest of its tests' that fits the inventory."""
+    return (
+        largest_fitting((entry.requirement,), cards)
+        or largest_fitting(entry.levels, cards)
+        or entry.requirement
+    )
+
+
 def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequence[str]) -> Prepared:
     """Inventory, collection and jobs; raises UsageError or CollectionFailed."""
     check_paths(paths)
@@ -95,7 +104,7 @@ def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequenc
     keys = [history_key(entry.path, collection.rootdir) for entry in collection.files]
     expected = expected_durations(history, keys)
     jobs = [
-        Job(index, entry.path, entry.requirement, expected[key])
+        Job(index, entry.path, runnable_requirement(entry, cards), expected[key])
         for index, (entry, key) in enumerate(zip(collection.files, keys, strict=True))
     ]
     known = sum(1 for key in keys if key in history)

@@ -11,6 +11,7 @@ from gpusched.scheduler.packing import (
     Packer,
     Policy,
     Unschedulable,
+    largest_fitting,
 )
 from gpusched.scheduler.simulate import PlannedRun, simulate
 
@@ -22,5 +23,6 @@ __all__ = [
     "PlannedRun",
     "Policy",
     "Unschedulable",
+    "largest_fitting",
     "simulate",
 ]

@@ -75,6 +75,24 @@ def _fits(card: Card, memory: int | None) -> bool:
     return memory is None or card.memory is None or card.memory >= memory
 
 
+def able_cards(requirement: Requirement, cards: Iterable[Card]) -> int:
+    """How many of ``cards`` have enough memory for ``requirement``."""
+    return sum(1 for card in cards if _fits(card, requirement.memory))
+
+
+def largest_fitting(levels: Iterable[Requirement], cards: Sequence[Card]) -> Requirement | None:
+    """The largest of a file's test requirements that this inventory can ever satisfy.
+
+    A file whose maximum does not fit still runs at this level: its tests that
+    need more are skipped inside by the plugin (``needs N GPUs, M visible``),
+    as plain pytest would, instead of the whole file being skipped.
+    """
+    fitting = [
+        level for level in levels if level.gpus == 0 or able_cards(level, cards) >= level.gpus
+    ]
+    return max(fitting, key=lambda level: (level.gpus, level.memory or 0), default=None)
+
+
 class Packer:
     """The default policy. Called by the runner only; every method is O(jobs x cards)."""
 
@@ -148,7 +166,7 @@ class Packer:
         if job.gpus == 0:
             return None
         memory = job.requirement.memory
-        able = sum(1 for card in self._usable.values() if _fits(card, memory))
+        able = able_cards(job.requirement, self._usable.values())
         if able >= job.gpus:
             return None
         if memory is None or able == len(self._usable):

@@ -123,3 +123,13 @@ def test_simulate_predicts_the_greedy_makespan():
     by_id = {run.job.id: (run.start, run.end) for run in runs}
     assert by_id == {0: (0.0, 4.0), 3: (0.0, 2.0), 1: (4.0, 7.0), 2: (4.0, 5.0)}
     assert max(run.end for run in runs) == 7.0
+
+
+def test_largest_fitting_lowers_a_file_to_what_the_inventory_can_run():
+    from gpusched.scheduler import largest_fitting
+
+    levels = [Requirement(0), Requirement(2), Requirement(1, 80 * GB)]
+    assert largest_fitting(levels, cards(4)) == Requirement(2)
+    assert largest_fitting(levels, [Card("0", 40 * GB)]) == Requirement(0)
+    assert largest_fitting(levels, [Card("0", 80 * GB)]) == Requirement(1, 80 * GB)
+    assert largest_fitting([Requirement(8)], cards(2)) is None

@@ -180,3 +180,22 @@ def test_plan_shows_requirements_and_schedule_without_running(make_suite, run_gp
     assert "[cpu]  test_cpu.py" in result.stdout
     assert "predicted makespan" in result.stdout
     assert not marker.exists()
+
+
+def test_a_mixed_file_too_big_for_the_node_still_runs_its_cpu_tests(make_suite, run_gpusched):
+    make_suite({
+        "test_mixed.py": """
+            import pytest
+
+            def test_cpu_part():
+                pass
+
+            @pytest.mark.gpu2
+            def test_needs_two():
+                pass
+        """,
+    })
+    result = run_gpusched("run", ".")
+    assert result.returncode == 0, result.stdout
+    assert "PASSED      test_mixed.py [cpu]" in result.stdout
+    assert result.stdout.splitlines()[-1] == "gpusched: 1 passed, 0 failed, 1 skipped"
