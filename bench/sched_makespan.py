@@ -1,0 +1,225 @@
+"""How close gpusched's packing comes to the best possible schedule, and what history buys.
+
+Builds a synthetic suite in a temporary directory (40 files by default; each
+needs 0, 1, 2, 4 or 8 GPUs and sleeps 1 to 8 s), then, in one run:
+
+1. measures ``c``, the wall time of one ``python -m pytest`` subprocess on an
+   empty test file (median of 5): the floor that isolation by subprocess costs;
+2. ``gpusched plan`` and ``gpusched run --simulate-gpus 8`` without history
+   (run 1), which writes ``.gpusched/durations.json``;
+3. ``gpusched plan`` and ``gpusched run`` again (run 2), now packing by the
+   durations run 1 measured;
+4. runs the same files one after another (one pytest subprocess each) and sums
+   their measured wall times: the sequential time.
+
+The lower bound printed (every term is a schedule-independent bound):
+
+    LB = max( sum_gpu(g_i * d_i) / 8,                     GPU-seconds over 8 cards
+              max_i d_i,                                   the longest file
+              max_k (1/k) * sum{d_i : g_i > 8/(k+1)},      k = 1..7: at most k such files fit at once
+              sum_cpu(d_i) / cpu_slots )                   CPU files share the CPU slots
+
+with ``d_i`` the file's sleep; ``LB'`` is the same bound with every ``d_i``
+replaced by ``d_i + c``. Makespan is the span of the runner (first start to
+last end, from ``--json``); the command's wall time including collection is
+printed too. Targets: makespan/LB' <= 1.10 without history, <= 1.05 with it,
+>= 3x faster than one after another, plan's prediction within 15% of the
+measured makespan of run 2.
+
+    python bench/sched_makespan.py            # 40 files, a few minutes
+    python bench/sched_makespan.py --quick    # 16 shorter files, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CARDS = 8
+MIX = {0: 0.20, 1: 0.35, 2: 0.20, 4: 0.15, 8: 0.10}  # share of files needing that many GPUs
+
+
+@dataclass(frozen=True)
+class SyntheticFile:
+    name: str
+    gpus: int
+    seconds: float
+
+
+def make_suite(count: int, low: float, high: float, seed: int) -> list[SyntheticFile]:
+    """``count`` files with GPU needs in the proportions of ``MIX`` and sleeps in [low, high]."""
+    rng = random.Random(seed)
+    needs = [gpus for gpus, share in MIX.items() for _ in range(round(share * count))]
+    needs = (needs + [1] * count)[:count]
+    rng.shuffle(needs)
+    return [
+        SyntheticFile(f"test_{i:02d}_gpu{gpus}.py", gpus, round(rng.uniform(low, high), 1))
+        for i, gpus in enumerate(needs)
+    ]
+
+
+def write_suite(root: Path, files: list[SyntheticFile]) -> None:
+    for file in files:
+        marker = f"pytestmark = pytest.mark.gpu({file.gpus})\n" if file.gpus else ""
+        (root / file.name).write_text(
+            f"import time\n\nimport pytest\n\n{marker}\n\ndef test_work():\n"
+            f"    time.sleep({file.seconds})\n",
+            encoding="utf-8",
+        )
+
+
+def lower_bound(files: list[SyntheticFile], extra: float, cpu_slots: int) -> dict[str, float]:
+    """The terms of the bound (see the module docstring), each file taking ``seconds + extra``."""
+    gpu = [(f.gpus, f.seconds + extra) for f in files if f.gpus]
+    cpu = [f.seconds + extra for f in files if not f.gpus]
+    terms = {
+        "gpu-seconds/8": sum(g * d for g, d in gpu) / CARDS,
+        "longest file": max(f.seconds + extra for f in files),
+        "cpu-seconds/slots": sum(cpu) / cpu_slots,
+    }
+    terms["wide files"] = max(
+        sum(d for g, d in gpu if g > CARDS / (k + 1)) / k for k in range(1, CARDS)
+    )
+    return terms
+
+
+def timed(command: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    return time.perf_counter() - start, done
+
+
+def pytest_file(path: Path, cwd: Path) -> float:
+    """Wall time of one ``python -m pytest FILE`` subprocess; its one test must pass.
+
+    It sees all 8 simulated cards, as a gpusched child would see its own, so
+    the plugin does not skip GPU tests on this machine without GPUs.
+    """
+    env = {
+        **os.environ,
+        "GPUSCHED_SIMULATED": "1",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(CARDS)),
+    }
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode != 0 or "1 passed" not in done.stdout:
+        sys.exit(f"bench: {path.name} did not pass:\n{done.stdout}{done.stderr}")
+    return seconds
+
+
+def gpusched(cwd: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:
+    command = [sys.executable, "-m", "gpusched", *args, ".", "--simulate-gpus", str(CARDS)]
+    seconds, done = timed(command, cwd)
+    if done.returncode != 0:
+        sys.exit(f"bench: gpusched {' '.join(args)} exited {done.returncode}:\n{done.stdout}")
+    return seconds, done
+
+
+def predicted_makespan(output: str) -> float:
+    found = re.search(r"predicted makespan ([\d.]+)s", output)
+    if not found:
+        sys.exit(f"bench: no prediction in gpusched plan's output:\n{output}")
+    return float(found.group(1))
+
+
+def measured_makespan(report: Path) -> float:
+    files = json.loads(report.read_text(encoding="utf-8"))["files"]
+    return max(f["end"] for f in files) - min(f["start"] for f in files)
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 files of 1-3 s")
+    parser.add_argument("--files", type=int, help="number of files (default 40, quick 16)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--timeline", type=Path, help="copy run 2's HTML timeline here")
+    args = parser.parse_args(argv)
+    count = args.files or (16 if args.quick else 40)
+    if count < 5:
+        parser.error(f"--files {count}: need at least 5 files")
+    low, high = (1.0, 3.0) if args.quick else (1.0, 8.0)
+    files = make_suite(count, low, high, args.seed)
+    cpu_slots = os.cpu_count() or 1
+    root = Path(tempfile.mkdtemp(prefix="gpusched-bench-"))
+    try:
+        write_suite(root, files)
+        print(f"bench: {count} files ({', '.join(f'{sum(f.gpus == g for f in files)}x{g}' for g in MIX)} "
+              f"GPUs), sleeps {low:g}-{high:g} s, {CARDS} simulated cards, {cpu_slots} CPU slots; "
+              f"load average {load()}")  # fmt: skip
+
+        empty = root / "empty" / "test_empty.py"
+        empty.parent.mkdir()
+        empty.write_text("def test_empty():\n    pass\n", encoding="utf-8")
+        overhead = statistics.median(pytest_file(empty, empty.parent) for _ in range(5))
+        shutil.rmtree(empty.parent)
+
+        plan1 = predicted_makespan(gpusched(root, "plan")[1].stdout)
+        wall1, _ = gpusched(root, "run", "--json", "run1.json")
+        run1 = measured_makespan(root / "run1.json")
+        plan2 = predicted_makespan(gpusched(root, "plan")[1].stdout)
+        wall2, _ = gpusched(root, "run", "--json", "run2.json", "--timeline", "run2.html")
+        run2 = measured_makespan(root / "run2.json")
+        if args.timeline:
+            args.timeline.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / "run2.html", args.timeline)
+
+        sequential = sum(pytest_file(root / f.name, root) for f in files)
+
+        lb_terms = lower_bound(files, 0.0, cpu_slots)
+        lbp_terms = lower_bound(files, overhead, cpu_slots)
+        lb, lbp = max(lb_terms.values()), max(lbp_terms.values())
+        print(f"bench: c = {overhead:.2f} s (empty-file pytest subprocess, median of 5)")
+        print("bench: LB' terms: " + ", ".join(f"{k} {v:.1f}" for k, v in lbp_terms.items()))
+        rows = [
+            ("makespan (s)", f"{run1:.1f}", f"{run2:.1f}"),
+            ("LB (s)", f"{lb:.1f}", f"{lb:.1f}"),
+            ("LB' (s)", f"{lbp:.1f}", f"{lbp:.1f}"),
+            ("makespan / LB'", f"{run1 / lbp:.3f}", f"{run2 / lbp:.3f}"),
+            ("sequential (s)", f"{sequential:.1f}", f"{sequential:.1f}"),
+            ("speed-up vs sequential", f"{sequential / run1:.2f}x", f"{sequential / run2:.2f}x"),
+            ("plan's prediction (s)", f"{plan1:.1f}", f"{plan2:.1f}"),
+            ("prediction / makespan", f"{plan1 / run1:.3f}", f"{plan2 / run2:.3f}"),
+            ("wall with collection (s)", f"{wall1:.1f}", f"{wall2:.1f}"),
+        ]
+        width = max(len(row[0]) for row in rows)
+        print(f"{'':<{width}}  {'run 1 (no history)':>19}  {'run 2 (history)':>16}")
+        for name, first, second in rows:
+            print(f"{name:<{width}}  {first:>19}  {second:>16}")
+        print(f"bench: load average at the end {load()}")
+        checks = [
+            (run1 / lbp <= 1.10, f"run 1 makespan/LB' {run1 / lbp:.3f} <= 1.10"),
+            (run2 / lbp <= 1.05, f"run 2 makespan/LB' {run2 / lbp:.3f} <= 1.05"),
+            (sequential / run2 >= 3.0, f"speed-up {sequential / run2:.2f}x >= 3x"),
+            (abs(plan2 / run2 - 1) <= 0.15, f"prediction within 15% ({plan2 / run2 - 1:+.1%})"),
+        ]
+        for ok, text in checks:
+            print(f"bench: {'met' if ok else 'MISSED'}: {text}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
