@@ -135,6 +135,7 @@ def run(cfg: Config) -> RunResult:
 
     ray.init(
         num_cpus=cfg.trainer.ray_num_cpus or cfg.trainer.num_workers,
+        num_gpus=cfg.trainer.num_workers if cfg.trainer.use_gpu else 0,
         include_dashboard=False,
         runtime_env=get_runtime_env(),
         log_to_driver=False,

@@ -78,7 +78,8 @@ class OptimConfig:
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 2
+    """Passes over each batch."""
     ppo_mini_batch_size: int = 64
     """Prompts per mini-batch (one optimizer step each)."""
     micro_batch_size: int = 256
@@ -96,7 +97,7 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 64
     micro_batch_size: int = 256
@@ -130,7 +131,7 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 60
+    total_steps: int = 70
     val_every: int = 10
     """Validate every k steps (and after the last); 0 disables."""
     val_before_train: bool = False
@@ -144,6 +145,8 @@ class TrainerConfig:
     """Data-parallel workers (Ray actors, one CPU each)."""
     ray_num_cpus: int = 0
     """CPUs for the local Ray cluster; 0 means num_workers."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL); the CPU default uses gloo."""
     progress: bool = True
     tensorboard: bool = True
     """Also log to TensorBoard when it is installed."""

@@ -179,7 +179,8 @@ def build_worker_groups(cfg: Config, model_path: str, max_new_tokens: int) -> di
     if cfg.use_critic:
         roles["critic"] = "train"
         specs["critic"] = (CriticWorker, {"config": cfg, "model_path": model_path})
-    manager = ResourcePoolManager({"train": ResourcePool([cfg.trainer.num_workers])}, roles)
+    pool = ResourcePool([cfg.trainer.num_workers], use_gpu=cfg.trainer.use_gpu)
+    manager = ResourcePoolManager({"train": pool}, roles)
     return create_role_groups(manager, specs)
 
 

@@ -52,13 +52,16 @@ class ReferenceLoop:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        if cfg.trainer.use_gpu and not torch.cuda.is_available():
+            raise RuntimeError("trainer.use_gpu=true but torch.cuda.is_available() is False")
+        self.device = torch.device("cuda" if cfg.trainer.use_gpu else "cpu")
         seed_everything(cfg.seed)
         path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(path)
-        self.actor = build_actor(path)
+        self.actor = build_actor(path).to(self.device)
         self.actor_opt, self.actor_sched = build_optimizer(self.actor, cfg.actor.optim)
-        self.ref = build_actor(path).eval() if cfg.use_reference else None
-        self.critic = build_critic(path, cfg.seed) if cfg.use_critic else None
+        self.ref = build_actor(path).to(self.device).eval() if cfg.use_reference else None
+        self.critic = build_critic(path, cfg.seed).to(self.device) if cfg.use_critic else None
         if self.critic is not None:
             self.critic_opt, self.critic_sched = build_optimizer(self.critic, cfg.critic.optim)
         self.engine = build_engine(cfg.rollout.engine, self.actor, self.tokenizer)
@@ -82,7 +85,10 @@ class ReferenceLoop:
         idx = self.loader.next_indices()
         prompts, gts, extras = self.train.batch(idx)
         rep = torch.arange(len(idx)).repeat_interleave(n)
-        batch = self.engine.generate(prompts[rep], sampling_params(cfg, self.max_new))
+        dev = self.device
+        batch = self.engine.generate(prompts[rep].to(dev), sampling_params(cfg, self.max_new)).to(
+            "cpu"
+        )
         gts = [gts[i] for i in rep.tolist()]
         extras = [extras[i] for i in rep.tolist()]
         mask = batch["response_mask"]
@@ -97,14 +103,12 @@ class ReferenceLoop:
         scores = score_responses(self.reward_fn, texts, gts, extras, finished)
         rewards = token_level_rewards(scores, mask)
         mb = cfg.actor.micro_batch_size
-        batch["old_log_probs"], entropy = compute_log_probs(
-            self.actor, batch, cfg.rollout.temperature, mb
-        )
+        old, entropy = compute_log_probs(self.actor, batch.to(dev), cfg.rollout.temperature, mb)
+        batch["old_log_probs"], entropy = old.cpu(), entropy.cpu()
         metrics: dict[str, float] = {}
         if self.ref is not None:
-            batch["ref_log_probs"], _ = compute_log_probs(
-                self.ref, batch, cfg.rollout.temperature, mb
-            )
+            ref, _ = compute_log_probs(self.ref, batch.to(dev), cfg.rollout.temperature, mb)
+            batch["ref_log_probs"] = ref.cpu()
         if cfg.algorithm.use_kl_in_reward:
             rewards, kl = apply_kl_in_reward(
                 rewards,
@@ -118,7 +122,7 @@ class ReferenceLoop:
             metrics.update({"actor/reward_kl": kl, "actor/kl_coef": float(self.kl_ctrl.value)})
         values = None
         if self.critic is not None:
-            values = compute_values(self.critic, batch, cfg.critic.micro_batch_size)
+            values = compute_values(self.critic, batch.to(dev), cfg.critic.micro_batch_size).cpu()
             batch["values"] = values
         adv, ret = compute_advantages(
             cfg.algo,
@@ -133,15 +137,13 @@ class ReferenceLoop:
         t_prep = time.perf_counter()
 
         if self.critic is not None:
-            metrics.update(
-                update_value(self.critic, self.critic_opt, batch, value_settings(cfg, step))
-            )
+            vs = value_settings(cfg, step)
+            metrics.update(update_value(self.critic, self.critic_opt, batch.to(dev), vs))
             self.critic_sched.step()
             metrics["critic/explained_variance"] = explained_variance(values, ret, mask)
         if step >= cfg.critic.warmup_steps:
-            metrics.update(
-                update_policy(self.actor, self.actor_opt, batch, policy_settings(cfg, step))
-            )
+            ps = policy_settings(cfg, step)
+            metrics.update(update_policy(self.actor, self.actor_opt, batch.to(dev), ps))
             self.actor_sched.step()
         t_end = time.perf_counter()
         n_tokens = int(mask.sum())
@@ -167,9 +169,8 @@ class ReferenceLoop:
         idx = list(range(len(self.val)))
         prompts, gts, extras = self.val.batch(idx)
         rep = torch.arange(len(idx)).repeat_interleave(vn)
-        out = self.engine.generate(
-            prompts[rep], sampling_params(cfg, self.max_new, validation=True)
-        )
+        params = sampling_params(cfg, self.max_new, validation=True)
+        out = self.engine.generate(prompts[rep].to(self.device), params).to("cpu")
         texts = decode_responses(self.tokenizer, out["responses"], out["response_mask"])
         finished = (
             None

@@ -87,3 +87,33 @@ def plot_reward_curve(rows: list[dict[str, Any]], out: str | Path, title: str = 
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return Path(out)
+
+
+def plot_runs(runs: dict[str, list[dict[str, Any]]], out: str | Path, title: str = "") -> Path:
+    """Validation reward of several runs against wall-clock seconds since start (one PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, rows in runs.items():
+        pts = [
+            (r["timing/wall"], r["val/reward_mean"])
+            for r in rows
+            if r.get("val/reward_mean") is not None
+        ]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=".", label=label)
+    ax.axhline(0.9, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("seconds since start (Ray start-up included)")
+    ax.set_ylabel("val reward (sampled, T=1)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

@@ -91,3 +91,19 @@ def test_a_batch_the_workers_do_not_divide_is_accepted():
         ]
     )
     assert cfg.data.train_batch_size == 3  # padded by the driver at run time, not refused
+
+
+def test_every_key_in_the_docs_table_is_a_config_key():
+    import re
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    keys = re.findall(r"^\| `([a-z_.]+)` \|", doc, re.M)
+    assert len(keys) > 40
+    known = OmegaConf.structured(Config)
+    for key in keys:
+        assert OmegaConf.select(known, key, default="<unknown>") != "<unknown>", (
+            f"docs name unknown key {key}"
+        )

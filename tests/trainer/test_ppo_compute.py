@@ -107,7 +107,7 @@ def _assert_close(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batching_does_not_change_the_update(model_dir, mode):
     td = _batch(model_dir, rows=12, seed=1)
     _assert_close(_train(model_dir, td, mode, micro=12), _train(model_dir, td, mode, micro=5))
@@ -135,7 +135,7 @@ def test_padding_rows_change_nothing(model_dir):
     _assert_close(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean"])
 def test_two_gloo_ranks_with_micro_batches_equal_one_process(model_dir, mode):
     """2 ranks x micro-batches of 3 == 1 process, whole mini-batches (1e-5 relative).
 
