@@ -122,7 +122,15 @@ def _weights(run_dir: Path, role: str) -> dict[str, torch.Tensor]:
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir, ray_tmp):
     env = _env(ray_tmp)
     a, b = tmp_path / "a", tmp_path / "b"
-    _run(_args(model_dir, a, 2 * K), env)
+    # A runs alongside B's first part (its own Ray cluster) to save wall time.
+    run_a = subprocess.Popen(
+        _args(model_dir, a, 2 * K),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     # B: the same run, killed right after its step-K checkpoint.
     log = open(tmp_path / "b.log", "w")
@@ -145,6 +153,8 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir,
         _kill_tree(proc)
         log.close()
     assert proc.returncode == -signal.SIGKILL
+    out_a, _ = run_a.communicate(timeout=240)
+    assert run_a.returncode == 0, out_a
     for later in (b / "checkpoints").glob("step_*"):
         if later.name != f"step_{K:06d}":  # a save that raced the kill: resume from K regardless
             shutil.rmtree(later)
