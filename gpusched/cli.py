@@ -136,8 +136,8 @@ def _classes(files: dict[str, SuiteFile], sizes_text: str | None):
     if big:
         print(
             f"gpusched: warning: {len(big)} file(s) need more than {classes[-1].gpus} cards, "
-            f"the largest runner size; they go to the {classes[-1].name} runners and are "
-            f"skipped there: {', '.join(f.key for f in big)}",
+            f"the largest runner size; they go to the {classes[-1].name} runners, whose "
+            f"gpusched skips the tests that need more cards than it has: {', '.join(f.key for f in big)}",
             file=sys.stderr,
         )
     return sizes, classes

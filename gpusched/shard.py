@@ -6,8 +6,9 @@ runner with ``s_i`` cards runs the files needing more cards than the next
 smaller class has, up to its own count. With sizes 0, 1, 2, 8 the classes are
 CPU files, 1-GPU files, 2-GPU files and 3- to 8-GPU files. By default the
 sizes are the GPU counts found in the suite itself. Files needing more cards
-than the largest runner has go to the largest class, where gpusched reports
-them skipped with the reason: every file lands in exactly one class.
+than the largest runner has go to the largest class, where gpusched skips
+the tests that need too many cards, with the reason: every file lands in
+exactly one class.
 
 Within a class, files are spread over K shards by expected duration: longest
 first, each into the least loaded shard (ties: lowest shard, then path), so the
@@ -111,7 +112,7 @@ def class_of(gpus: int, classes: Sequence[RunnerClass]) -> RunnerClass:
 
 
 def oversized(files: Iterable[SuiteFile], classes: Sequence[RunnerClass]) -> list[SuiteFile]:
-    """Files needing more cards than the largest runner has (they will be skipped there)."""
+    """Files needing more cards than the largest runner has (their big tests skip there)."""
     return [file for file in files if file.gpus > classes[-1].gpus]
 
 
