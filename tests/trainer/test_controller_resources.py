@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
+from unittest import mock
 
 import pytest
 import ray
@@ -102,18 +104,22 @@ def test_manager_rejects_unknown_pool_and_role():
 def _two_node_cluster(num_cpus: int = 4, num_gpus: int = 4):
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": num_cpus, "num_gpus": num_gpus, "include_dashboard": False},
-    )
-    try:
-        cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    # Under gpusched a CPU file gets CUDA_VISIBLE_DEVICES="" (it must not touch real
+    # cards), and Ray refuses to fake GPUs that the variable hides: drop it here.
+    with mock.patch.dict(os.environ):
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": num_cpus, "num_gpus": num_gpus, "include_dashboard": False},
+        )
+        try:
+            cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)
+            ray.init(address=cluster.address)
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
