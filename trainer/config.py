@@ -54,7 +54,9 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """hf (Hugging Face generate); vllm slots in behind the same interface."""
+    """hf (Hugging Face generate) or vllm (CUDA only; needs the vllm package)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of each card vLLM may take (weights + KV cache) while awake."""
     n: int = 8
     """Samples per prompt (a group for GRPO/RLOO)."""
     temperature: float = 1.0
@@ -93,6 +95,10 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
+    strategy: str = "auto"
+    """auto (fsdp2 on CUDA, ddp on CPU), fsdp2 (sharded with fully_shard) or ddp (all-reduce)."""
+    offload: bool = False
+    """FSDP2 on CUDA: keep sharded parameters and optimizer state in host memory."""
 
 
 @dataclass
@@ -106,6 +112,10 @@ class CriticConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     """Steps during which only the critic is updated."""
+    strategy: str = "auto"
+    """auto (fsdp2 on CUDA, ddp on CPU), fsdp2 or ddp; see actor.strategy."""
+    offload: bool = False
+    """FSDP2 on CUDA: keep sharded parameters and optimizer state in host memory."""
 
 
 @dataclass
@@ -146,7 +156,9 @@ class TrainerConfig:
     ray_num_cpus: int = 0
     """CPUs for the local Ray cluster; 0 means num_workers."""
     use_gpu: bool = False
-    """One GPU per worker (NCCL); the CPU default uses gloo."""
+    """One GPU per worker (NCCL); the CPU default uses gloo. Same as device=cuda."""
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when a GPU is visible). NCCL on cuda, gloo on cpu."""
     progress: bool = True
     tensorboard: bool = True
     """Also log to TensorBoard when it is installed."""
@@ -173,6 +185,11 @@ class Config:
         return self.algo == "gae"
 
     @property
+    def device_request(self) -> str:
+        """``trainer.device``, with the older ``trainer.use_gpu=true`` meaning ``cuda``."""
+        return "cuda" if self.trainer.use_gpu else self.trainer.device
+
+    @property
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
@@ -195,6 +212,8 @@ def load_config(overrides: list[str] | None = None, base: dict[str, Any] | None 
     except OmegaConfBaseException as exc:
         raise ConfigError(f"bad configuration: {exc}") from None
     validate(cfg)
+    if cfg.trainer.device == "cuda":
+        cfg.trainer.use_gpu = True  # GPU bundles in the placement groups
     return cfg
 
 
@@ -234,6 +253,10 @@ def validate(cfg: Config) -> None:
         f"rollout.max_response_length={r.max_response_length}: must be >= 0",
     )
     _need(r.engine in ("hf", "vllm"), f"rollout.engine={r.engine!r}: choose 'hf' or 'vllm'")
+    _need(
+        0 < r.gpu_memory_utilization <= 1,
+        f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]",
+    )
     if cfg.algo in ("grpo", "grpo_no_std", "rloo"):
         _need(
             r.n >= 2,
@@ -280,6 +303,23 @@ def validate(cfg: Config) -> None:
         cfg.use_critic or c.warmup_steps == 0,
         f"critic.warmup_steps={c.warmup_steps} with algo={cfg.algo}: only algo=gae has a critic",
     )
+    _need(
+        t.device in ("auto", "cuda", "cpu"),
+        f"trainer.device={t.device!r}: choose 'auto', 'cuda' or 'cpu'",
+    )
+    _need(
+        not (t.use_gpu and t.device == "cpu"),
+        "trainer.use_gpu=true and trainer.device=cpu: choose one (use_gpu means device=cuda)",
+    )
+    for name, sec in (("actor", a), ("critic", c)):
+        _need(
+            sec.strategy in ("auto", "fsdp2", "ddp"),
+            f"{name}.strategy={sec.strategy!r}: choose 'auto', 'fsdp2' or 'ddp'",
+        )
+        _need(
+            not sec.offload or sec.strategy != "ddp",
+            f"{name}.offload=true with {name}.strategy=ddp: offload needs fsdp2 (or auto on CUDA)",
+        )
     _need(t.total_steps >= 1, f"trainer.total_steps={t.total_steps}: must be >= 1")
     _need(t.num_workers >= 1, f"trainer.num_workers={t.num_workers}: must be >= 1")
     _need(

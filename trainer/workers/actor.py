@@ -2,13 +2,17 @@
 
 One instance per data-parallel rank. The driver calls it through a role group:
 ``generate_sequences``, ``compute_log_prob``, ``compute_ref_log_prob`` and
-``update_actor`` receive this rank's slice of the batch (``DP_SPLIT``) and
-gradients are all-reduced over the gloo/NCCL group inside ``update_actor``.
+``update_actor`` receive this rank's slice of the batch (``DP_SPLIT``).
+With ``actor.strategy=fsdp2`` the policy and reference are sharded with FSDP2
+(:mod:`trainer.workers.fsdp`); with ``ddp`` each rank holds them whole and
+gradients are all-reduced inside ``update_actor``. Collective methods are
+``ONE_TO_ALL`` or ``DP_SPLIT``, so every rank joins.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +24,23 @@ from trainer.config import Config
 from trainer.controller import Dispatch, Worker
 from trainer.models import load_tokenizer
 from trainer.rollout import build_engine
+from trainer.workers import fsdp
 from trainer.workers.compute import compute_log_probs, update_policy
+from trainer.workers.device import backend_for, worker_device
 from trainer.workers.settings import policy_settings, sampling_params
 from trainer.workers.setup import build_actor, build_optimizer
 from trainer.workers.state import load_training_state, save_training_state
 
+__all__ = ["ActorRolloutRefWorker", "place_model", "seed_worker", "worker_device"]
 
-def worker_device() -> torch.device:
-    """The device this process trains on: its CUDA device when there is one, else CPU."""
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+def place_model(
+    model: torch.nn.Module, device: torch.device, strategy: str, offload: bool = False
+) -> torch.nn.Module:
+    """Put a freshly loaded model on ``device``: sharded for ``fsdp2``, whole for ``ddp``."""
+    if strategy == "fsdp2":
+        return fsdp.shard_model(model, device, cpu_offload=offload)
+    return model.to(device)
 
 
 def seed_worker(seed: int, rank: int) -> None:
@@ -51,6 +63,8 @@ class ActorRolloutRefWorker(Worker):
         "save_checkpoint": Dispatch.ONE_TO_ALL,
         "load_checkpoint": Dispatch.ONE_TO_ALL,
         "state_dict": Dispatch.RANK_ZERO,
+        "full_state_dict": Dispatch.ONE_TO_ALL,
+        "save_model": Dispatch.ONE_TO_ALL,
     }
 
     def __init__(self, config: Config, model_path: str, max_new_tokens: int) -> None:
@@ -58,33 +72,54 @@ class ActorRolloutRefWorker(Worker):
         self.cfg = config
         self.model_path = model_path
         self.max_new_tokens = max_new_tokens
-        self.device = worker_device()
+        self.device = worker_device(config.device_request)
+        self.strategy = fsdp.resolve_strategy(config.actor.strategy, self.device.type)
 
     def init_model(self) -> None:
         """Join the process group, load policy (and reference), build optimizer and engine."""
-        self.init_distributed()
+        self.init_distributed(backend_for(self.device.type))
         seed_worker(self.cfg.seed, self.rank)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.actor = build_actor(self.model_path).to(self.device)
-        self.optimizer, self.scheduler = build_optimizer(self.actor, self.cfg.actor.optim)
-        self.ref = (
-            build_actor(self.model_path).to(self.device).eval() if self.cfg.use_reference else None
+        a = self.cfg.actor
+        self.actor = place_model(
+            build_actor(self.model_path), self.device, self.strategy, a.offload
         )
-        self.engine = build_engine(self.cfg.rollout.engine, self.actor, self.tokenizer)
+        # After sharding: FSDP2's optimizer must see the sharded (DTensor) parameters.
+        self.optimizer, self.scheduler = build_optimizer(self.actor, a.optim)
+        self.ref = None
+        if self.cfg.use_reference:
+            ref = build_actor(self.model_path).requires_grad_(False)
+            self.ref = place_model(ref, self.device, self.strategy, a.offload).eval()
+        self.engine = build_engine(
+            self.cfg.rollout.engine,
+            self.actor,
+            self.tokenizer,
+            model_path=self.model_path,
+            gpu_memory_utilization=self.cfg.rollout.gpu_memory_utilization,
+            seed=self.cfg.seed * 9973 + self.rank,
+        )
+
+    def _gathered(self, model: torch.nn.Module):
+        """Full parameters held for a burst of forwards that may differ in count between ranks."""
+        return fsdp.gathered_for_inference(model) if fsdp.is_sharded(model) else nullcontext()
 
     def generate_sequences(self, prompts: TensorDict, validation: bool = False) -> TensorDict:
         """Sample one response per row of ``prompts`` (rows are already repeated n times)."""
         params = sampling_params(self.cfg, self.max_new_tokens, validation=validation)
-        return self.engine.generate(prompts.to(self.device), params).to("cpu")
+        # The HF engine runs the training module itself; vLLM holds its own copy.
+        shared = self.cfg.rollout.engine == "hf"
+        with self._gathered(self.actor) if shared else nullcontext():
+            return self.engine.generate(prompts.to(self.device), params).to("cpu")
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         """``old_log_probs`` and ``entropy`` (B, R) under the current policy."""
-        lp, ent = compute_log_probs(
-            self.actor,
-            batch.to(self.device),
-            self.cfg.rollout.temperature,
-            self.cfg.actor.micro_batch_size,
-        )
+        with self._gathered(self.actor):
+            lp, ent = compute_log_probs(
+                self.actor,
+                batch.to(self.device),
+                self.cfg.rollout.temperature,
+                self.cfg.actor.micro_batch_size,
+            )
         return TensorDict(
             {"old_log_probs": lp.cpu(), "entropy": ent.cpu()}, batch_size=batch.batch_size
         )
@@ -95,12 +130,13 @@ class ActorRolloutRefWorker(Worker):
             raise RuntimeError(
                 "compute_ref_log_prob called but no KL term is configured (no reference model)"
             )
-        lp, _ = compute_log_probs(
-            self.ref,
-            batch.to(self.device),
-            self.cfg.rollout.temperature,
-            self.cfg.actor.micro_batch_size,
-        )
+        with self._gathered(self.ref):
+            lp, _ = compute_log_probs(
+                self.ref,
+                batch.to(self.device),
+                self.cfg.rollout.temperature,
+                self.cfg.actor.micro_batch_size,
+            )
         return TensorDict({"ref_log_probs": lp.cpu()}, batch_size=batch.batch_size)
 
     def update_actor(self, batch: TensorDict, step: int) -> dict[str, float]:
@@ -127,12 +163,27 @@ class ActorRolloutRefWorker(Worker):
         self.engine.sync_weights()
 
     def state_dict(self) -> dict[str, Any]:
-        """The policy's weights on CPU (from rank 0)."""
+        """The policy's weights on CPU (from rank 0; ddp only).
+
+        Runs on rank 0 alone, so it cannot gather FSDP2 shards: with
+        ``actor.strategy=fsdp2`` use :meth:`full_state_dict` (every rank joins).
+        """
+        if fsdp.is_sharded(self.actor):
+            raise RuntimeError(
+                "state_dict runs on rank 0 only and cannot gather the FSDP2 shards of the "
+                "policy (actor.strategy=fsdp2); call full_state_dict instead"
+            )
         return {k: v.detach().cpu() for k, v in self.actor.state_dict().items()}
 
-    def save_model(self, directory: str) -> None:  # pragma: no cover - used by export
-        """Save the policy with ``save_pretrained`` (rank 0 only)."""
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The policy's full weights on CPU under HF names on rank 0 (None elsewhere); collective."""
+        state = fsdp.full_state_dict(self.actor)
+        return state if self.rank == 0 else None
+
+    def save_model(self, directory: str) -> None:
+        """Save the policy with ``save_pretrained`` (rank 0 writes; every rank joins the gather)."""
+        state = fsdp.full_state_dict(self.actor)
         if self.rank == 0:
             Path(directory).mkdir(parents=True, exist_ok=True)
-            self.actor.save_pretrained(directory)
+            self.actor.save_pretrained(directory, state_dict=state)
             self.tokenizer.save_pretrained(directory)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from trainer import algos
 
@@ -132,12 +133,15 @@ def compute_values(
 def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Average gradients over the data-parallel group with one flat all-reduce.
 
-    A no-op when torch.distributed is not initialised (the reference loop).
+    A no-op when torch.distributed is not initialised (the reference loop) and
+    for FSDP2-sharded parameters (DTensors), whose gradients FSDP2 reduces itself.
     Parameters without a gradient contribute zeros, so every rank sends the
     same shapes.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    if any(isinstance(p, DTensor) for p in params):
+        return  # FSDP2 already reduce-scattered (averaged) these gradients in backward
     world = dist.get_world_size(group)
     if world == 1:
         return
@@ -151,6 +155,12 @@ def allreduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGro
     flat /= world
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)
+
+
+def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip in place; the total norm as a plain tensor (over all shards for FSDP2)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _mini_batches(batch: TensorDict, num_mini_batches: int, seed: int) -> list[TensorDict]:
@@ -223,7 +233,7 @@ def update_policy(
                     acc[f"actor/{k}"].append(float(v))
             acc["actor/pg_loss"].append(mini_loss)
             allreduce_gradients(params, group)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            grad_norm = _clip_grad_norm(params, s.grad_clip)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             acc["actor/grad_norm"].append(grad_norm.item())
@@ -263,7 +273,7 @@ def update_value(
                     acc[f"critic/{k}"].append(float(v))
             acc["critic/vf_loss"].append(mini_loss)
             allreduce_gradients(params, group)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            grad_norm = _clip_grad_norm(params, s.grad_clip)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             acc["critic/grad_norm"].append(grad_norm.item())

@@ -6,8 +6,10 @@ from tensordict import TensorDict
 
 from trainer.config import Config
 from trainer.controller import Dispatch, Worker
-from trainer.workers.actor import seed_worker, worker_device
+from trainer.workers import fsdp
+from trainer.workers.actor import place_model, seed_worker
 from trainer.workers.compute import compute_values, update_value
+from trainer.workers.device import backend_for, worker_device
 from trainer.workers.settings import value_settings
 from trainer.workers.setup import build_critic, build_optimizer
 from trainer.workers.state import load_training_state, save_training_state
@@ -28,18 +30,25 @@ class CriticWorker(Worker):
         super().__init__()
         self.cfg = config
         self.model_path = model_path
-        self.device = worker_device()
+        self.device = worker_device(config.device_request)
+        self.strategy = fsdp.resolve_strategy(
+            config.critic.strategy, self.device.type, "critic.strategy"
+        )
 
     def init_model(self) -> None:
         """Join the process group (shared with a colocated actor) and build critic + optimizer."""
-        self.init_distributed()
+        self.init_distributed(backend_for(self.device.type))
         seed_worker(self.cfg.seed, self.rank)
-        self.critic = build_critic(self.model_path, self.cfg.seed).to(self.device)
-        self.optimizer, self.scheduler = build_optimizer(self.critic, self.cfg.critic.optim)
+        c = self.cfg.critic
+        critic = build_critic(self.model_path, self.cfg.seed)
+        self.critic = place_model(critic, self.device, self.strategy, c.offload)
+        self.optimizer, self.scheduler = build_optimizer(self.critic, c.optim)
 
     def compute_values(self, batch: TensorDict) -> TensorDict:
         """``values`` (B, R) for this rank's rows."""
-        v = compute_values(self.critic, batch.to(self.device), self.cfg.critic.micro_batch_size)
+        gathered = fsdp.gathered_for_inference(self.critic)
+        with gathered:
+            v = compute_values(self.critic, batch.to(self.device), self.cfg.critic.micro_batch_size)
         return TensorDict({"values": v.cpu()}, batch_size=batch.batch_size)
 
     def update_critic(self, batch: TensorDict, step: int) -> dict[str, float]:

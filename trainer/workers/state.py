@@ -2,7 +2,10 @@
 
 Model, optimizer and scheduler are identical on every data-parallel rank (the
 gradients are all-reduced before each step), so rank 0 writes them; every rank
-writes its own RNG states, because sampling differs per rank.
+writes its own RNG states, because sampling differs per rank. An FSDP2-sharded
+model and its optimizer are gathered into full (unsharded, plain HF-named)
+state dicts first, a collective every rank joins, so the file is the same
+whatever the strategy and loads back into a plain ``from_pretrained`` model.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from trainer.workers import fsdp
 
 
 def rng_state() -> dict[str, Any]:
@@ -46,10 +51,18 @@ def save_training_state(
 ) -> None:
     """Write ``<role>_model.pt`` (+ optimizer, scheduler) from rank 0 and ``<role>_rng_<rank>.pt``."""
     d = Path(directory)
+    if fsdp.is_sharded(model):
+        model_state = fsdp.full_state_dict(model)
+        optim_state = (
+            fsdp.full_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+        )
+    elif rank == 0:
+        model_state = model.state_dict()
+        optim_state = optimizer.state_dict() if optimizer is not None else None
     if rank == 0:
         payload = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
         }
         torch.save(payload, d / f"{role}_state.pt")
@@ -71,9 +84,14 @@ def load_training_state(
         if not f.is_file():
             raise FileNotFoundError(f"checkpoint {d}: missing {f.name} (role {role}, rank {rank})")
     payload = torch.load(state_file, map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"])
-    if optimizer is not None and payload["optimizer"] is not None:
-        optimizer.load_state_dict(payload["optimizer"])
+    if fsdp.is_sharded(model):
+        fsdp.load_full_state_dict(model, payload["model"])
+        if optimizer is not None and payload["optimizer"] is not None:
+            fsdp.load_full_optimizer_state_dict(model, optimizer, payload["optimizer"])
+    else:
+        model.load_state_dict(payload["model"])
+        if optimizer is not None and payload["optimizer"] is not None:
+            optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None and payload["scheduler"] is not None:
         scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
