@@ -272,5 +272,9 @@ def _full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) per parameter; FSDP2 shards are all-gathered one at a time."""
     from torch.distributed.tensor import DTensor
 
+    device = torch.device("cuda", torch.cuda.current_device())
     for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        if isinstance(t, DTensor):
+            # With CPU offload the shards live in host memory; NCCL gathers on the card.
+            t = t.to(device).full_tensor()
+        yield name, t.detach()
