@@ -10,6 +10,11 @@ trainer / best reference is the cost of the single controller.
     python bench/ppo_step.py                 # CPU, default config (GAE)
     python bench/ppo_step.py --algo grpo --iters 10
     python bench/ppo_step.py --device cuda   # needs CUDA; fails clearly without
+    python bench/ppo_step.py --strategy ddp,fsdp2          # both training engines, one run
+    python bench/ppo_step.py --device cuda --engine hf,vllm  # both rollout engines
+
+Each trainer row also reports rollout tokens/s (response tokens / generation
+time) and training tokens/s (sequence tokens / actor + critic update time).
 """
 
 from __future__ import annotations
@@ -27,17 +32,52 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--workers", type=int, default=2, help="Ray workers (and reference threads)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    return p.parse_known_args(argv)
+    p.add_argument(
+        "--strategy",
+        default="auto",
+        help="training engine(s), comma-separated: auto, fsdp2, ddp (default auto)",
+    )
+    p.add_argument(
+        "--engine", default="hf", help="rollout engine(s), comma-separated: hf, vllm (default hf)"
+    )
+    args, rest = p.parse_known_args(argv)
+    args.strategies = _choices(p, "--strategy", args.strategy, ("auto", "fsdp2", "ddp"))
+    args.engines = _choices(p, "--engine", args.engine, ("hf", "vllm"))
+    return args, rest
 
 
-def _time_steps(step, warmup: int, iters: int) -> list[float]:
+def _choices(
+    p: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]
+) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if not items or bad:
+        p.error(f"{flag} {value!r}: expected a comma-separated list of {', '.join(allowed)}")
+    return items
+
+
+def _throughput(metrics: list[dict[str, float]]) -> tuple[float, float]:
+    """Rollout and training tokens per second over the timed iterations."""
+    gen_tokens = sum(m["perf/response_tokens"] for m in metrics)
+    gen_s = sum(m["timing/gen"] for m in metrics)
+    train_tokens = gen_tokens * 1.0  # the update trains on exactly the sampled response tokens
+    train_s = sum(
+        m.get("timing/update_actor", 0) + m.get("timing/update_critic", 0) for m in metrics
+    )
+    return gen_tokens / max(gen_s, 1e-9), train_tokens / max(train_s, 1e-9)
+
+
+def _time_steps(step, warmup: int, iters: int, results: list | None = None) -> list[float]:
+    """Seconds per call after ``warmup`` calls; the timed calls' return values go to ``results``."""
     for _ in range(warmup):
         step()
     out = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        step()
+        r = step()
         out.append(time.perf_counter() - t0)
+        if results is not None:
+            results.append(r)
     return out
 
 
@@ -51,18 +91,20 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if "vllm" in args.engines and args.device != "cuda":
+        print("bench/ppo_step.py: --engine vllm needs --device cuda", file=sys.stderr)
+        return 2
     from trainer.config import load_config
 
     use_gpu = "true" if args.device == "cuda" else "false"
-    cfg = load_config(
-        [
-            f"algo={args.algo}",
-            f"trainer.num_workers={args.workers}",
-            f"trainer.use_gpu={use_gpu}",
-            "trainer.val_every=0",
-            *overrides,
-        ]
-    )
+    base_overrides = [
+        f"algo={args.algo}",
+        f"trainer.num_workers={args.workers}",
+        f"trainer.use_gpu={use_gpu}",
+        "trainer.val_every=0",
+        *overrides,
+    ]
+    cfg = load_config(base_overrides)
     rows: list[tuple[str, float, float]] = []
 
     from trainer.reference_loop import ReferenceLoop
@@ -105,52 +147,76 @@ def main(argv: list[str] | None = None) -> int:
         log_to_driver=False,
         logging_level="ERROR",
     )
+    n_ref = len(rows)
+    throughput: dict[str, tuple[float, float]] = {}
+    startup = {}
     try:
         path = resolve_model_path(cfg.model.path)
         tok = load_tokenizer(path)
         train, val = build_datasets(cfg, tok)
         max_new = response_length(cfg)
-        groups = build_worker_groups(cfg, path, max_new)
-        try:
-            for g in groups.values():
-                g.init_model()
-            startup = time.perf_counter() - t0
-            trainer = PPOTrainer(
-                cfg,
-                groups["actor"],
-                groups.get("critic"),
-                tok,
-                train,
-                val,
-                resolve_reward_fn(cfg),
-                max_new,
-                args.workers,
-            )
-            times = _time_steps(trainer.train_step, args.warmup, args.iters)
-            rows.append(
-                (
-                    f"trainer, {args.workers} Ray workers x 1 thread",
-                    statistics.median(times),
-                    statistics.stdev(times),
+        for engine in args.engines:
+            for strategy in args.strategies:
+                run_cfg = load_config(
+                    [
+                        *base_overrides,
+                        f"actor.strategy={strategy}",
+                        f"critic.strategy={strategy}",
+                        f"rollout.engine={engine}",
+                    ]
                 )
-            )
-        finally:
-            shutdown_worker_groups(groups)
+                t1 = time.perf_counter()
+                groups = build_worker_groups(run_cfg, path, max_new)
+                try:
+                    for g in groups.values():
+                        g.init_model()
+                    label = f"trainer, {args.workers} workers, {strategy}, {engine}"
+                    startup[label] = time.perf_counter() - (t0 if not startup else t1)
+                    trainer = PPOTrainer(
+                        run_cfg,
+                        groups["actor"],
+                        groups.get("critic"),
+                        tok,
+                        train,
+                        val,
+                        resolve_reward_fn(run_cfg),
+                        max_new,
+                        args.workers,
+                    )
+                    metrics: list[dict[str, float]] = []
+                    times = _time_steps(trainer.train_step, args.warmup, args.iters, metrics)
+                    rows.append((label, statistics.median(times), statistics.stdev(times)))
+                    throughput[label] = _throughput(metrics)
+                finally:
+                    shutdown_worker_groups(groups)
     finally:
         ray.shutdown()
 
-    best_ref = min(r[1] for r in rows[:-1])
+    best_ref = min(r[1] for r in rows[:n_ref])
     seqs = cfg.data.train_batch_size * cfg.rollout.n
     print(
         f"\nPPO iteration time: algo={cfg.algo}, {seqs} sequences/iteration, device={args.device}, "
         f"median of {args.iters} after {args.warmup} warm-up\n"
     )
-    print(f"| {'setup':<42} | {'s/iter':>7} | {'stdev':>6} | {'vs best reference':>17} |")
-    print(f"|{'-' * 44}|{'-' * 9}|{'-' * 8}|{'-' * 19}|")
+    head = f"| {'setup':<42} | {'s/iter':>7} | {'stdev':>6} | {'vs best reference':>17} |"
+    print(head + " rollout tok/s | update tok/s |")
+    print(f"|{'-' * 44}|{'-' * 9}|{'-' * 8}|{'-' * 19}|{'-' * 15}|{'-' * 14}|")
     for name, med, sd in rows:
-        print(f"| {name:<42} | {med:7.3f} | {sd:6.3f} | {med / best_ref:16.2f}x |")
-    print(f"\ntrainer start-up (ray.init + workers + model load): {startup:.1f} s")
-    print(f"single-controller overhead ratio: {rows[-1][1] / best_ref:.2f}x (target <= 1.5x)")
+        gen, upd = throughput.get(name, (None, None))
+        cells = " | ".join(
+            f"{'-' if v is None else f'{v:.0f}':>{w}}" for v, w in ((gen, 13), (upd, 12))
+        )
+        print(f"| {name:<42} | {med:7.3f} | {sd:6.3f} | {med / best_ref:16.2f}x | {cells} |")
+    print()
+    for label, secs in startup.items():
+        print(f"start-up of {label}: {secs:.1f} s (the first includes ray.init)")
+    trainer_rows = rows[n_ref:]
+    fastest = min(r[1] for r in trainer_rows)
+    print(f"single-controller overhead ratio: {fastest / best_ref:.2f}x (target <= 1.5x)")
+    if len(trainer_rows) > 1:
+        base = trainer_rows[0]
+        for name, med, _ in trainer_rows[1:]:
+            print(f"{name} vs {base[0]}: {med / base[1]:.2f}x s/iter")
     return 0
 
 
