@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,10 @@ class RunResult:
     history: list[dict[str, float]]
     final_val_reward: float | None
     wall_s: float
+    worker_pids: dict[str, list[int]] = field(default_factory=dict)
+    """Process id of each rank, per role: colocated roles list the same pids."""
+    start_step: int = 0
+    """The step training started from: 0, or the resumed checkpoint's step."""
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -102,37 +106,12 @@ class _Progress:
 def run(cfg: Config) -> RunResult:
     """Train ``cfg`` on a fresh local Ray cluster and write the run's outputs."""
     import ray
-    import torch
 
-    from trainer import checkpoint as ckpt
-    from trainer.data import build_datasets
-    from trainer.models import load_tokenizer, resolve_model_path
-    from trainer.ppo import PPOTrainer, build_worker_groups, resolve_reward_fn, response_length
-    from trainer.tracking import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
-
-    t0 = time.perf_counter()
-    run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else default_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed)
-
-    # Everything that can fail on bad input fails here, before Ray starts.
-    model_path = resolve_model_path(cfg.model.path)
-    tokenizer = load_tokenizer(model_path)
-    train, val = build_datasets(cfg, tokenizer)
-    reward_fn = resolve_reward_fn(cfg)
-    max_new_tokens = response_length(cfg)
-    resume_from = ckpt.resolve_resume(cfg.trainer.resume, run_dir)
-    (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
-
-    try:
-        from trainer.netguard import apply_loopback_guard
-
-        apply_loopback_guard()
-    except ImportError:  # pragma: no cover - the guard ships with the trainer
-        pass
+    prepared = _prepare(cfg)  # bad input fails here, before Ray starts
+    from trainer.netguard import apply_loopback_guard
     from trainer.runtime_env import get_runtime_env
 
+    apply_loopback_guard()
     ray.init(
         num_cpus=cfg.trainer.ray_num_cpus or cfg.trainer.num_workers,
         num_gpus=cfg.trainer.num_workers if cfg.trainer.use_gpu else 0,
@@ -141,11 +120,99 @@ def run(cfg: Config) -> RunResult:
         log_to_driver=False,
         logging_level="ERROR",
     )
+    try:
+        return _train(prepared)
+    finally:
+        ray.shutdown()
+
+
+def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:
+    """Train ``cfg`` on the Ray cluster this process is already connected to.
+
+    The seam for end-to-end tests and for callers that manage Ray themselves:
+    nothing is started or shut down except this run's worker processes and
+    placement groups, which are released before returning (also on error).
+    ``colocate=False`` puts the critic on a pool of its own (see
+    :func:`trainer.ppo.build_worker_groups`); the cluster must then have room
+    for twice ``trainer.num_workers`` processes.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "run_on_cluster needs a running Ray: call ray.init(...) first, or use run(cfg)"
+        )
+    return _train(_prepare(cfg), colocate=colocate)
+
+
+@dataclass
+class _Prepared:
+    """Inputs checked and loaded before any worker starts."""
+
+    cfg: Config
+    run_dir: Path
+    model_path: str
+    tokenizer: Any
+    train: Any
+    val: Any
+    reward_fn: Any
+    max_new_tokens: int
+    resume_from: Path | None
+    t0: float
+
+
+def _prepare(cfg: Config) -> _Prepared:
+    """Load tokenizer, data, reward function and resume point; write config.yaml."""
+    import torch
+
+    from trainer import checkpoint as ckpt
+    from trainer.data import build_datasets
+    from trainer.models import load_tokenizer, resolve_model_path
+    from trainer.ppo import resolve_reward_fn, response_length
+
+    t0 = time.perf_counter()
+    run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else default_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(model_path)
+    train, val = build_datasets(cfg, tokenizer)
+    prepared = _Prepared(
+        cfg,
+        run_dir,
+        model_path,
+        tokenizer,
+        train,
+        val,
+        resolve_reward_fn(cfg),
+        response_length(cfg),
+        ckpt.resolve_resume(cfg.trainer.resume, run_dir),
+        t0,
+    )
+    (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
+    return prepared
+
+
+def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
+    """Start the worker groups on the running Ray, fit, write outputs, stop the groups."""
+    import ray
+
+    from trainer import checkpoint as ckpt
+    from trainer.ppo import PPOTrainer, build_worker_groups, shutdown_worker_groups
+    from trainer.tracking import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
+
+    cfg, run_dir, t0 = p.cfg, p.run_dir, p.t0
     logger = None
     progress = None
+    groups: dict[str, Any] = {}
     try:
-        groups = build_worker_groups(cfg, model_path, max_new_tokens)
+        groups = build_worker_groups(cfg, p.model_path, p.max_new_tokens, colocate=colocate)
         actor, critic = groups["actor"], groups.get("critic")
+        worker_pids = {
+            role: [info["pid"] for info in ray.get([h.info.remote() for h in g.hosts])]
+            for role, g in groups.items()
+        }
         actor.init_model()
         if critic is not None:
             critic.init_model()
@@ -153,19 +220,20 @@ def run(cfg: Config) -> RunResult:
             cfg,
             actor,
             critic,
-            tokenizer,
-            train,
-            val,
-            reward_fn,
-            max_new_tokens,
+            p.tokenizer,
+            p.train,
+            p.val,
+            p.reward_fn,
+            p.max_new_tokens,
             cfg.trainer.num_workers,
         )
-        if resume_from is not None:
-            actor.load_checkpoint(str(resume_from))
+        if p.resume_from is not None:
+            actor.load_checkpoint(str(p.resume_from))
             if critic is not None:
-                critic.load_checkpoint(str(resume_from))
-            trainer.load_state_dict(ckpt.load_driver_state(resume_from))
-            print(f"trainer: resumed from {resume_from} at step {trainer.step}", flush=True)
+                critic.load_checkpoint(str(p.resume_from))
+            trainer.load_state_dict(ckpt.load_driver_state(p.resume_from))
+            print(f"trainer: resumed from {p.resume_from} at step {trainer.step}", flush=True)
+        start_step = trainer.step
         logger = MetricsLogger(
             run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=trainer.step
         )
@@ -193,12 +261,20 @@ def run(cfg: Config) -> RunResult:
             progress.close()
         if logger is not None:
             logger.close()
-        ray.shutdown()
+        if groups:
+            shutdown_worker_groups(groups)
     rows = read_metrics(logger.path)
     curve = plot_reward_curve(rows, run_dir / CURVE_FILE, title=f"{cfg.algo}, seed {cfg.seed}")
     vals = [r["val/reward_mean"] for r in rows if r.get("val/reward_mean") is not None]
     return RunResult(
-        run_dir, logger.path, curve, history, vals[-1] if vals else None, time.perf_counter() - t0
+        run_dir,
+        logger.path,
+        curve,
+        history,
+        vals[-1] if vals else None,
+        time.perf_counter() - t0,
+        worker_pids,
+        start_step,
     )
 
 

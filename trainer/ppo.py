@@ -164,23 +164,32 @@ def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Te
     return tokenizer.batch_decode(seqs, skip_special_tokens=False)
 
 
-def build_worker_groups(cfg: Config, model_path: str, max_new_tokens: int) -> dict[str, Any]:
-    """Start the role groups on the running Ray cluster: actor (+ critic), colocated.
+def build_worker_groups(
+    cfg: Config, model_path: str, max_new_tokens: int, *, colocate: bool = True
+) -> dict[str, Any]:
+    """Start the role groups on the running Ray cluster: actor (+ critic).
 
-    One pool of ``trainer.num_workers`` single-CPU processes; the actor and the
-    critic (GAE only) share those processes and their gloo group.
+    ``colocate=True`` (what ``python -m trainer`` does): one pool of
+    ``trainer.num_workers`` processes; the actor and the critic (GAE only)
+    share those processes and their gloo group. ``colocate=False``: the critic
+    gets a pool of its own, as many processes again, with its own group.
     """
     from trainer.controller import ResourcePool, ResourcePoolManager, create_role_groups
     from trainer.workers import ActorRolloutRefWorker, CriticWorker
 
+    def pool() -> ResourcePool:
+        return ResourcePool([cfg.trainer.num_workers], use_gpu=cfg.trainer.use_gpu)
+
+    pools = {"train": pool()}
     roles = {"actor": "train"}
     actor_kwargs = {"config": cfg, "model_path": model_path, "max_new_tokens": max_new_tokens}
     specs: dict[str, Any] = {"actor": (ActorRolloutRefWorker, actor_kwargs)}
     if cfg.use_critic:
-        roles["critic"] = "train"
+        roles["critic"] = "train" if colocate else "critic"
+        if not colocate:
+            pools["critic"] = pool()
         specs["critic"] = (CriticWorker, {"config": cfg, "model_path": model_path})
-    pool = ResourcePool([cfg.trainer.num_workers], use_gpu=cfg.trainer.use_gpu)
-    manager = ResourcePoolManager({"train": pool}, roles)
+    manager = ResourcePoolManager(pools, roles)
     return create_role_groups(manager, specs)
 
 
