@@ -8,7 +8,9 @@ Fixtures (scope in brackets):
   ``@pytest.mark.parametrize("ray_cluster", [{"num_cpus": 4}], indirect=True)``;
   keys: ``num_cpus``, ``num_gpus``, ``host_env`` (extra host variables the
   runtime env is composed from, as if set on the driver's host) and any other
-  ``ray.init`` keyword.
+  ``ray.init`` keyword. A parameter with ``num_gpus`` skips without CUDA (mark
+  it ``gpu1``/``gpu2`` so gpusched gives it cards), so one module can run the
+  same tests on CPU and on GPUs, one cluster at a time.
 - ``ray_host_env`` [module]: host variables added to every cluster's
   ``host_env`` in a module (default none); override it in a test module when a
   value is only known at run time (a temp path).
@@ -140,8 +142,15 @@ def ray_host_env() -> dict[str, str]:
 def ray_cluster(
     request: pytest.FixtureRequest, ray_host_env: dict[str, str]
 ) -> Iterator[RayCluster]:
-    """A module-scoped local Ray cluster started with the production runtime env."""
-    with _ray_start(**_overrides(request, ray_host_env)) as cluster:
+    """A module-scoped local Ray cluster started with the production runtime env.
+
+    An override asking for GPUs (``{"num_gpus": 2}``, with a ``gpu2`` mark on
+    its ``pytest.param``) skips before Ray starts when CUDA or cards are missing.
+    """
+    overrides = _overrides(request, ray_host_env)
+    if overrides.get("num_gpus"):
+        _require_cuda(int(overrides["num_gpus"]))
+    with _ray_start(**overrides) as cluster:
         yield cluster
 
 
