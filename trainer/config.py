@@ -90,8 +90,7 @@ class ActorConfig:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.01
-    """Weight of the entropy bonus; keeps sampling from collapsing before the task is learned."""
+    entropy_coeff: float = 0.0
     grad_clip: float = 1.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -105,15 +104,14 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
-    ppo_epochs: int = 4
-    """Passes of value regression over each batch (the critic must track a moving policy)."""
+    ppo_epochs: int = 1
     ppo_mini_batch_size: int = 64
     micro_batch_size: int = 256
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
-    warmup_steps: int = -1
-    """Steps during which only the critic is updated; -1 means 3 with a critic (algo=gae), else 0."""
+    warmup_steps: int = 0
+    """Steps during which only the critic is updated."""
     strategy: str = "auto"
     """auto (fsdp2 on CUDA, ddp on CPU), fsdp2 or ddp; see actor.strategy."""
     offload: bool = False
@@ -123,9 +121,7 @@ class CriticConfig:
 @dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
-    """Discount; 1 because the only reward is the outcome at the last token."""
-    lam: float = 0.95
-    """GAE lambda: below 1 trades a little bias for much less variance from the critic."""
+    lam: float = 1.0
     use_kl_in_reward: bool = False
     kl_penalty: str = "k1"
     kl_ctrl: str = "fixed"
@@ -215,27 +211,10 @@ def load_config(overrides: list[str] | None = None, base: dict[str, Any] | None 
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"bad configuration: {exc}") from None
-    resolve_auto(cfg)
     validate(cfg)
     if cfg.trainer.device == "cuda":
         cfg.trainer.use_gpu = True  # GPU bundles in the placement groups
     return cfg
-
-
-#: Critic-only steps before the first actor update when ``critic.warmup_steps=-1``:
-#: the zero-initialised value head needs a few regressions before its values
-#: are a better baseline than none.
-DEFAULT_CRITIC_WARMUP = 3
-
-
-def resolve_auto(cfg: Config) -> None:
-    """Replace the "choose for me" value -1 of ``critic.warmup_steps`` by a concrete one.
-
-    Called by :func:`load_config` before :func:`validate`, so the driver, the
-    workers and ``config.yaml`` only ever see plain numbers.
-    """
-    if cfg.critic.warmup_steps == -1:
-        cfg.critic.warmup_steps = DEFAULT_CRITIC_WARMUP if cfg.use_critic else 0
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -319,10 +298,6 @@ def validate(cfg: Config) -> None:
     _need(
         not (a.use_kl_loss and cfg.algorithm.use_kl_in_reward),
         "actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: choose one way to apply the KL",
-    )
-    _need(
-        c.warmup_steps >= 0,
-        f"critic.warmup_steps={c.warmup_steps}: must be >= 0 (or -1 for the default)",
     )
     _need(
         cfg.use_critic or c.warmup_steps == 0,
