@@ -45,8 +45,9 @@ ENDS = 3
 # response scores 0). Measured on the 2-core CPU machine with LEARN, seeds 0/1/2
 # (first -> last): GAE colocated 0.004->0.264, 0.002->0.142, 0.005->0.149;
 # GAE separate pools 0.005->0.296, 0.002->0.146, 0.005->0.138; GRPO with KL loss
-# 0.004->0.264, 0.004->0.102, 0.007->0.298. The smallest rise is 0.098; the
-# margin is half of it, and 10x the starting level.
+# 0.004->0.264, 0.004->0.102, 0.007->0.298. With one worker (as in [gpu1]),
+# GAE colocated: about 0.005->0.14, 0.007->0.11, 0.005->0.26. The smallest
+# rise is 0.098; the margin is half of it, and 10x the starting level.
 LEARNING_MARGIN = 0.05
 
 # 64 prompts x 8 samples per step: small enough for seconds per step on two
