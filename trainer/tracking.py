@@ -78,15 +78,7 @@ def plot_reward_curve(rows: list[dict[str, Any]], out: str | Path, title: str = 
         ax.plot(*zip(*val, strict=True), marker="o", label="val reward")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    if title:
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return Path(out)
+    return _save_reward_axes(plt, fig, ax, out, title)
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], out: str | Path, title: str = "") -> Path:
@@ -108,6 +100,11 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], out: str | Path, title: str
     ax.axhline(0.9, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("seconds since start (Ray start-up included)")
     ax.set_ylabel("val reward (sampled, T=1)")
+    return _save_reward_axes(plt, fig, ax, out, title)
+
+
+def _save_reward_axes(plt: Any, fig: Any, ax: Any, out: str | Path, title: str) -> Path:
+    """Finish a reward plot the same way for every figure (range, grid, legend), save, close."""
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
