@@ -169,12 +169,15 @@ def _prepare(cfg: Config) -> _Prepared:
     from trainer.data import build_datasets
     from trainer.models import load_tokenizer, resolve_model_path
     from trainer.ppo import resolve_reward_fn, response_length
+    from trainer.workers.device import wants_gpu_bundles
 
     t0 = time.perf_counter()
     run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
+    if wants_gpu_bundles(cfg.device_request, torch.cuda.is_available()):
+        cfg.trainer.use_gpu = True  # GPU bundles in the placement groups, num_gpus for ray.init
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     train, val = build_datasets(cfg, tokenizer)

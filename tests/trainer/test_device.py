@@ -103,3 +103,14 @@ def test_config_device_and_strategy_keys():
         load_config(["trainer.use_gpu=true", "trainer.device=cpu"])
     with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization=0.0"):
         load_config(["rollout.gpu_memory_utilization=0"])
+
+
+def test_auto_asks_ray_for_gpu_bundles_only_when_the_driver_sees_cuda():
+    from trainer.workers.device import wants_gpu_bundles
+
+    assert wants_gpu_bundles("auto", driver_sees_cuda=True)
+    assert not wants_gpu_bundles("auto", driver_sees_cuda=False)
+    assert wants_gpu_bundles("cuda", driver_sees_cuda=False)  # GPUs may live on other nodes
+    assert not wants_gpu_bundles("cpu", driver_sees_cuda=True)
+    with pytest.raises(ValueError, match="trainer.device='tpu'"):
+        wants_gpu_bundles("tpu", driver_sees_cuda=True)

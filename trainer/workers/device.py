@@ -16,7 +16,7 @@ import torch
 
 DEVICES = ("auto", "cuda", "cpu")
 
-__all__ = ["DEVICES", "backend_for", "resolve_device", "worker_device"]
+__all__ = ["DEVICES", "backend_for", "resolve_device", "wants_gpu_bundles", "worker_device"]
 
 
 def resolve_device(requested: str, cuda_available: bool, visible_devices: str | None = None) -> str:
@@ -39,6 +39,18 @@ def resolve_device(requested: str, cuda_available: bool, visible_devices: str | 
     else:
         why = "torch.cuda.is_available() is False (no GPU, or a CPU-only torch build)"
     raise RuntimeError(f"trainer.device=cuda: no usable CUDA device: {why}")
+
+
+def wants_gpu_bundles(requested: str, driver_sees_cuda: bool) -> bool:
+    """Whether the driver asks Ray for GPU bundles for ``trainer.device=requested``.
+
+    ``cuda`` always does (the driver itself may have no GPU on a multi-node
+    cluster); ``auto`` does when the driver sees CUDA, so ``auto`` on a GPU node
+    trains on the GPUs instead of silently placing workers on CPU bundles.
+    """
+    if requested not in DEVICES:
+        raise ValueError(f"trainer.device={requested!r}: choose one of {DEVICES}")
+    return requested == "cuda" or (requested == "auto" and driver_sees_cuda)
 
 
 def backend_for(device_type: str) -> str:
