@@ -32,11 +32,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpusched.atomic import atomic_write
 from gpusched.results import FileResult, Outcome
 
 HISTORY_FILE = "durations.json"
@@ -210,17 +210,6 @@ def load_history(path: str | Path) -> tuple[History, str | None]:
         return {}, f"duration history {path} is corrupt ({exc}); ignoring it, it will be replaced"
 
 
-def _replace(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def record_durations(path: str | Path, observed: Mapping[str, float]) -> str | None:
     """Merge one run's wall times into the history at ``path``; returns a warning or None.
 
@@ -234,7 +223,7 @@ def record_durations(path: str | Path, observed: Mapping[str, float]) -> str | N
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             history, warning = load_history(target)
-            _replace(target, dump_history(merge(history, observed)))
+            atomic_write(target, dump_history(merge(history, observed)))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return warning
@@ -257,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     combined = combine(histories)
-    _replace(output, dump_history(combined))
+    atomic_write(output, dump_history(combined))
     print(f"gpusched: {len(combined)} files in {output}")
     return 0
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpusched.atomic import atomic_write
 from gpusched.childenv import local_tmp_root, read_mounts
 from gpusched.collect import CollectedFile, Collection, CollectionFailed, collect
 from gpusched.history import (
@@ -34,7 +35,6 @@ from gpusched.options import UsageError
 from gpusched.release import release_check
 from gpusched.report import (
     ConsoleReporter,
-    atomic_write,
     display_path,
     failing,
     format_cards,
