@@ -29,7 +29,7 @@ def child_env(
     would try to attach instead of starting a local cluster.
     """
     env = {key: value for key, value in base.items() if key != "RAY_ADDRESS"}
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(cards)
+    env.update(card_env(cards))
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["RAY_TMPDIR"] = ray_tmpdir
     env["MASTER_PORT"] = str(master_port)
@@ -40,6 +40,11 @@ def child_env(
     else:
         env.pop("GPUSCHED_SIMULATED", None)
     return env
+
+
+def card_env(cards: Sequence[str]) -> dict[str, str]:
+    """The variables that depend on which cards a job got (sent at the gate of a warm start)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(cards)}
 
 
 def filesystem_type(path: str, mounts: Iterable[str]) -> str | None:

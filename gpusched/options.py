@@ -151,6 +151,16 @@ OPTIONS: tuple[Option, ...] = (
         "S",
     ),
     Option(
+        "prestart",
+        ("--prestart",),
+        _non_negative_int,
+        4,
+        "start up to N GPU files' pytest processes before their cards are free, so "
+        "interpreter start-up and plugin imports overlap the files still running "
+        "(no conftest or test module loads before the cards are assigned); 0: off",
+        "N",
+    ),
+    Option(
         "gpu_release_timeout",
         ("--gpu-release-timeout",),
         _non_negative_float,

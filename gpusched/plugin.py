@@ -27,6 +27,7 @@ from gpusched.requirements import (
     requirement_from_glob_value,
     requirement_from_marker,
 )
+from gpusched.warmstart import wait_at_gate
 
 MARKER_HELP = {
     "gpu": "gpu(n, memory=None): the test needs n GPUs, each with at least `memory` "
@@ -65,6 +66,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="append one JSON line per test outcome to PATH, as each test finishes",
     )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """A warm-started child waits here for its cards, before any conftest or test module loads."""
+    wait_at_gate()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from gpusched.childenv import PortPool, child_env
+from gpusched.childenv import PortPool, card_env, child_env
 from gpusched.collect import plugin_args
-from gpusched.proctree import kill_job
+from gpusched.proctree import KillReport, kill_job
 from gpusched.results import FAILING, FileResult, Outcome, TestResult, judge
 from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
+from gpusched.warmstart import open_gate, prestart_env
 
 T = TypeVar("T")
 
@@ -47,6 +48,7 @@ class RunConfig:
     exitfirst: bool = False
     rootdir: str = "."
     heartbeat: float | None = None  # seconds between "still running" lines; None: none
+    prestart: int = 0  # GPU files started ahead of their cards (gpusched.warmstart); 0: off
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,18 @@ class Tick:
 
 
 Event = Started | Finished | Interrupt | Tick
+
+
+@dataclass
+class _Child:
+    """One attempt's pytest process and what must be cleaned up after it."""
+
+    proc: asyncio.subprocess.Process
+    tag: str
+    stream: Path
+    log_path: Path
+    ray_tmpdir: str
+    gate: int | None = None  # write end of a warm start's gate, until it is opened
 
 
 class Reporter(Protocol):
@@ -154,7 +168,11 @@ class Runner:
         self.report = RunReport()
         self.stopping = False
         self.running: dict[int, tuple[Job, float]] = {}  # job id -> (job, start on self.clock)
+        self.warm: dict[int, asyncio.Task[_Child]] = {}  # job id -> its pre-started child
         self._tick_pending = False
+        self._prestart = config.prestart
+        if any("no:gpusched" in arg for arg in config.pytest_args):
+            self._prestart = 0  # the gate lives in the plugin
 
     async def run(self, jobs: Sequence[Job]) -> RunReport:
         self.policy.submit(jobs)
@@ -180,6 +198,7 @@ class Runner:
         finally:
             if beat is not None:
                 beat.cancel()
+            await _finish_anyway(self._cool_down())
             for signum in installed:
                 loop.remove_signal_handler(signum)
         for job in self.policy.cancel_pending():
@@ -225,6 +244,7 @@ class Runner:
         while True:
             if not self.stopping:
                 self._start_what_fits()
+                self._warm_up()
             if not self.tasks and (self.stopping or not self.policy.has_pending):
                 return
             event = await self.events.get()
@@ -274,7 +294,10 @@ class Runner:
                     attempt = self.attempts.get(job.id, 0) + 1
                     self.attempts[job.id] = attempt
                     card_ids = tuple(card.id for card in cards)
-                    self.tasks[job.id] = asyncio.create_task(self._run_job(job, card_ids, attempt))
+                    warm = self.warm.pop(job.id, None)
+                    self.tasks[job.id] = asyncio.create_task(
+                        self._run_job(job, card_ids, attempt, warm)
+                    )
                 case Unschedulable(job, reason):
                     self._record(
                         FileResult(
@@ -311,7 +334,36 @@ class Runner:
         self.report.results.append(result)
         self.reporter.finished(result)
 
-    async def _run_job(self, job: Job, cards: tuple[str, ...], attempt: int) -> None:
+    def _warm_up(self) -> None:
+        """Pre-start the GPU jobs likely to start next, up to ``prestart`` waiting at once."""
+        if not self._prestart:
+            return
+        for job in self.policy.upcoming(self._prestart):
+            if len(self.warm) >= self._prestart:
+                break
+            if job.id not in self.warm:
+                attempt = self.attempts.get(job.id, 0) + 1
+                self.warm[job.id] = asyncio.create_task(self._spawn(job, attempt, None))
+
+    async def _cool_down(self) -> None:
+        """Stop the pre-started children whose files will not run (end of run, ``-x``, Ctrl-C)."""
+        warm, self.warm = list(self.warm.values()), {}
+        for task in warm:
+            try:
+                child = await task
+            except Exception:  # noqa: BLE001 - it never started: nothing to stop
+                continue
+            if child.gate is not None:
+                os.close(child.gate)  # end of file: the child exits by itself
+                child.gate = None
+            root = child.proc.pid if child.proc.returncode is None else None
+            await asyncio.to_thread(kill_job, root, child.proc.pid, child.tag, 1.0, self.hurry)
+            await child.proc.wait()
+            shutil.rmtree(child.ray_tmpdir, ignore_errors=True)
+            child.log_path.unlink(missing_ok=True)
+
+    async def _spawn(self, job: Job, attempt: int, cards: tuple[str, ...] | None) -> _Child:
+        """Start ``job``'s pytest process on ``cards``, or warm (``None``) behind a closed gate."""
         config = self.config
         tag = f"{config.run_id}-{job.id}-{attempt}"
         stream = config.work_dir / f"{job.id}-{attempt}.jsonl"
@@ -319,7 +371,7 @@ class Runner:
         ray_tmpdir = tempfile.mkdtemp(prefix="gs", dir=config.tmp_root)
         env = child_env(
             os.environ,
-            cards,
+            cards or (),
             simulated=config.simulated,
             ray_tmpdir=ray_tmpdir,
             master_port=self.ports.take(),
@@ -334,11 +386,10 @@ class Runner:
             f"--gpusched-results={stream}",
             *config.pytest_args,
         ]
-        start = self.clock() - self.t0
-        timed_out: float | None = None
-        interrupted = False
-        proc = None
-        pids: set[int] = set()
+        read_end = gate = None
+        if cards is None:
+            read_end, gate = os.pipe()
+            env = prestart_env(env, card_env(()), read_end)
         try:
             with open(log_path, "wb") as log:
                 proc = await asyncio.create_subprocess_exec(
@@ -348,7 +399,40 @@ class Runner:
                     stdin=asyncio.subprocess.DEVNULL,
                     env=env,
                     process_group=0,
+                    pass_fds=() if read_end is None else (read_end,),
                 )
+        except BaseException:
+            shutil.rmtree(ray_tmpdir, ignore_errors=True)
+            if gate is not None:
+                os.close(gate)
+            raise
+        finally:
+            if read_end is not None:
+                os.close(read_end)
+        return _Child(proc, tag, stream, log_path, ray_tmpdir, gate)
+
+    async def _run_job(
+        self,
+        job: Job,
+        cards: tuple[str, ...],
+        attempt: int,
+        warm: asyncio.Task[_Child] | None = None,
+    ) -> None:
+        config = self.config
+        start = self.clock() - self.t0
+        timed_out: float | None = None
+        interrupted = False
+        child: _Child | None = None
+        kill = KillReport(0, ())
+        # A started process must be known even if we are cancelled while it starts.
+        spawning = warm or asyncio.ensure_future(self._spawn(job, attempt, cards))
+        try:
+            child = await asyncio.shield(spawning)
+            if child.gate is not None:
+                start = self.clock() - self.t0
+                gate, child.gate = child.gate, None
+                open_gate(gate, card_env(cards))  # False: it already ended; its log says why
+            proc = child.proc
             self.events.put_nowait(Started(job, cards, proc.pid, attempt))
             try:
                 await asyncio.wait_for(proc.wait(), config.timeout)
@@ -356,45 +440,57 @@ class Runner:
                 timed_out = config.timeout
             root = proc.pid if proc.returncode is None else None  # a reaped pid may be reused
             kill = await asyncio.to_thread(
-                kill_job, root, proc.pid, tag, config.kill_grace, self.hurry
+                kill_job, root, proc.pid, child.tag, config.kill_grace, self.hurry
             )
             await proc.wait()
         except asyncio.CancelledError:
             interrupted = True
-            if proc is not None:
-                root = proc.pid if proc.returncode is None else None
-                kill = await _finish_anyway(
-                    asyncio.to_thread(kill_job, root, proc.pid, tag, config.kill_grace, self.hurry)
+            if child is None:
+                child = await _finish_anyway(spawning)
+            if child.gate is not None:
+                os.close(child.gate)  # end of file: a waiting child exits by itself
+                child.gate = None
+            proc = child.proc
+            root = proc.pid if proc.returncode is None else None
+            kill = await _finish_anyway(
+                asyncio.to_thread(
+                    kill_job, root, proc.pid, child.tag, config.kill_grace, self.hurry
                 )
-                await _finish_anyway(proc.wait())
+            )
+            await _finish_anyway(proc.wait())
         finally:
-            shutil.rmtree(ray_tmpdir, ignore_errors=True)
-        if proc is not None:
-            pids.add(proc.pid)
+            if child is not None:
+                shutil.rmtree(child.ray_tmpdir, ignore_errors=True)
+        pids: set[int] = set()
+        lines: list[str] = []
+        if child is not None:
+            pids.add(child.proc.pid)
             pids.update(kill.pids)
-        try:
-            lines = stream.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            lines = []
+            try:
+                lines = child.stream.read_text(encoding="utf-8").splitlines()
+            except FileNotFoundError:
+                pass
+        returncode = child.proc.returncode if child is not None else None
         result = judge(
             job.path,
             self.tests.get(job.path, ()),
-            proc.returncode if proc is not None else -1,
+            returncode if returncode is not None else -1,
             lines,
             timed_out=timed_out,
             interrupted=interrupted,
         )
+        log_path = config.log_dir / log_name(job.path, config.rootdir)
         result.cards, result.start, result.end = cards, start, self.clock() - self.t0
         result.log, result.attempts = str(log_path), attempt
-        if proc is not None:
+        if child is not None:
             if timed_out is None and not interrupted:
                 result.swept = kill.found  # left behind by tests after pytest itself exited
             if kill.survivors:
                 result.message += f" ({len(kill.survivors)} process(es) could not be killed)"
         quarantined: tuple[str, ...] = ()
-        if proc is not None and kill.survivors:
+        if child is not None and kill.survivors:
             quarantined = cards  # a process of the job may still hold them
-        elif proc is not None and cards and not interrupted:
+        elif child is not None and cards and not interrupted:
             try:
                 quarantined = tuple(await self.releaser.release(cards, frozenset(pids)))
             except asyncio.CancelledError:

@@ -217,6 +217,7 @@ def run(
         exitfirst=settings["exitfirst"],
         rootdir=prepared.collection.rootdir,
         heartbeat=settings["heartbeat"],
+        prestart=settings["prestart"],
     )
     live = live_reporter(reporter, cards, settings["cpu_slots"], len(prepared.jobs))
     if live is not None:

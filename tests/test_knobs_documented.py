@@ -114,3 +114,16 @@ def test_table_parser_stops_at_next_section():
         "| `TRAINER_A` | 1 | driver | a |\n\n## Next\n\n| `TRAINER_B` | 2 | worker | b |\n"
     )
     assert knob_table(readme) == {"TRAINER_A": ["`TRAINER_A`", "1", "driver", "a"]}
+
+
+def test_every_run_option_has_a_row_in_the_gpusched_guide():
+    from gpusched.options import OPTIONS
+
+    guide = (ROOT / "docs" / "gpusched.md").read_text()
+    rows = {
+        line.split("|")[3].strip().strip("`")
+        for line in guide.splitlines()
+        if "| `GPUSCHED_" in line
+    }
+    missing = [option.flags[0] for option in OPTIONS if option.env not in rows]
+    assert not missing, f"docs/gpusched.md's options table lacks rows for {missing}"

@@ -62,6 +62,8 @@ class Policy(Protocol):
 
     def cancel_pending(self) -> list[Job]: ...
 
+    def upcoming(self, count: int) -> list[Job]: ...
+
     @property
     def has_pending(self) -> bool: ...
 
@@ -156,6 +158,27 @@ class Packer:
                 self._free[card.id] = card
         if not assignment.cards:
             self._cpu_free += 1
+
+    def upcoming(self, count: int) -> list[Job]:
+        """Up to ``count`` pending GPU jobs likely to start next (the runner warm-starts them).
+
+        When cards free up, the job that gets them is the head of the queue of
+        some GPU count (the first fitting job in priority order). So the heads
+        of every count's queue come first, largest count first, then the
+        second of each, and so on. CPU jobs are left out: their slot is a core,
+        which a warm start would only take from the file running on it.
+        """
+        queues: dict[int, list[Job]] = {}
+        for job in self._pending:  # priority order: more GPUs first
+            queue = queues.setdefault(job.gpus, [])
+            if job.gpus and len(queue) < count and self._never_fits(job) is None:
+                queue.append(job)
+        picked: list[Job] = []
+        for rank in range(count):
+            for queue in queues.values():
+                if rank < len(queue) and len(picked) < count:
+                    picked.append(queue[rank])
+        return picked
 
     def cancel_pending(self) -> list[Job]:
         """Drop every job not yet started (interrupt, ``-x``) and return them in file order."""

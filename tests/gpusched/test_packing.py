@@ -133,3 +133,23 @@ def test_largest_fitting_lowers_a_file_to_what_the_inventory_can_run():
     assert largest_fitting(levels, [Card("0", 40 * GB)]) == Requirement(0)
     assert largest_fitting(levels, [Card("0", 80 * GB)]) == Requirement(1, 80 * GB)
     assert largest_fitting([Requirement(8)], cards(2)) is None
+
+
+def test_upcoming_offers_the_head_of_every_gpu_count_first():
+    packer = Packer(cards(8), cpu_slots=1)
+    packer.submit(
+        [job(0, 8, 5.0), job(1, 8, 4.0), job(2, 4, 3.0), job(3, 1, 9.0), job(4, 1, 8.0)]
+        + [job(5, 0, 9.0), job(6, 16)]
+    )
+    # Nothing started yet: the order reflects which job each kind of freed card goes to.
+    assert [j.id for j in packer.upcoming(4)] == [0, 2, 3, 1]
+    assert [j.id for j in packer.upcoming(2)] == [0, 2]
+    assert [j.id for j in packer.upcoming(10)] == [0, 2, 3, 1, 4]  # no CPU job, no 16-card job
+    assert packer.upcoming(0) == []
+
+
+def test_upcoming_leaves_out_started_jobs():
+    packer = Packer(cards(2), cpu_slots=1)
+    packer.submit([job(0, 2, 5.0), job(1, 1, 4.0), job(2, 1, 3.0)])
+    assert started(packer.schedule()) == {0: ("0", "1")}
+    assert [j.id for j in packer.upcoming(4)] == [1, 2]

@@ -1,0 +1,227 @@
+"""Warm starts: the gate protocol on real processes, and ``gpusched run --prestart`` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpusched.warmstart import (
+    CANCELLED,
+    CUDA_TOO_EARLY,
+    GATE_VARIABLE,
+    go_message,
+    open_gate,
+    prestart_env,
+)
+
+CHILD = """
+import os, sys
+{before}
+from gpusched.warmstart import wait_at_gate
+print("waiting", flush=True)
+wait_at_gate()
+print(os.environ["CUDA_VISIBLE_DEVICES"], os.environ.get("GPUSCHED_GATE_FD"), flush=True)
+"""
+
+
+def _gated_child(before: str = "") -> tuple[subprocess.Popen, int]:
+    read_end, write_end = os.pipe()
+    env = prestart_env(
+        {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, {"CUDA_VISIBLE_DEVICES": "0"}, read_end
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(before=before)],
+        env=env,
+        pass_fds=(read_end,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(read_end)
+    assert proc.stdout.readline() == "waiting\n"
+    return proc, write_end
+
+
+def test_prestart_env_hides_every_card_until_the_gate_opens():
+    env = prestart_env(
+        {"CUDA_VISIBLE_DEVICES": "3", "PATH": "/bin"}, {"CUDA_VISIBLE_DEVICES": "3"}, 7
+    )
+    assert env == {"CUDA_VISIBLE_DEVICES": "", "PATH": "/bin", GATE_VARIABLE: "7"}
+    assert json.loads(go_message({"CUDA_VISIBLE_DEVICES": "2,3"})) == {
+        "CUDA_VISIBLE_DEVICES": "2,3"
+    }
+
+
+def test_child_waits_at_the_gate_then_runs_with_the_cards_it_is_sent():
+    proc, gate = _gated_child()
+    time.sleep(0.3)
+    assert proc.poll() is None, "the child went past a closed gate"
+    assert open_gate(gate, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.split() == ["2,3", "None"]  # cards applied; the gate variable is not inherited
+
+
+def test_closing_the_gate_without_a_message_ends_the_child():
+    proc, gate = _gated_child()
+    os.close(gate)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == CANCELLED
+    assert "not needed" in err
+
+
+def test_opening_the_gate_of_a_child_that_already_exited_reports_it():
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    assert open_gate(write_end, {"CUDA_VISIBLE_DEVICES": "0"}) is False
+
+
+def test_cuda_initialised_before_the_gate_refuses_to_run():
+    # No driver here: a stand-in torch whose CUDA reports itself initialised.
+    fake_torch = (
+        "import types\n"
+        "sys.modules['torch'] = types.SimpleNamespace("
+        "cuda=types.SimpleNamespace(is_initialized=lambda: True))"
+    )
+    proc, gate = _gated_child(before=fake_torch)
+    open_gate(gate, {"CUDA_VISIBLE_DEVICES": "1"})
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == CUDA_TOO_EARLY
+    assert "--prestart 0" in err and out == ""
+
+
+RECORDING = """
+    import json, os, time
+    import pytest
+
+    pytestmark = pytest.mark.gpu({gpus})
+
+    def test_record():
+        time.sleep({sleep})
+        with open({log!r}, "a") as out:
+            out.write(json.dumps({{"file": os.path.basename(__file__), "pid": os.getpid(),
+                                   "cards": os.environ["CUDA_VISIBLE_DEVICES"]}}) + "\\n")
+"""
+
+CONFTEST = """
+    import json, os, time
+    import psutil
+
+    with open({log!r}, "a") as out:
+        out.write(json.dumps({{"pid": os.getpid(), "cards": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                               "waited": time.time() - psutil.Process().create_time()}}) + "\\n")
+"""
+
+
+def test_warm_started_files_get_their_cards_before_conftest_loads(
+    make_suite, run_gpusched, tmp_path
+):
+    tests_log, conftest_log = str(tmp_path / "tests.jsonl"), str(tmp_path / "conftest.jsonl")
+    files = {"conftest.py": CONFTEST.format(log=conftest_log)}
+    files["test_a_long.py"] = RECORDING.format(gpus=2, sleep=3.0, log=tests_log)
+    for i in range(4):
+        files[f"test_b{i}.py"] = RECORDING.format(gpus=1, sleep=0.2, log=tests_log)
+    make_suite(files)
+    result = run_gpusched("run", ".", "--simulate-gpus", "2", "--prestart", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "gpusched: 5 passed, 0 failed, 0 skipped"
+    tests = {r["pid"]: r for r in map(json.loads, open(tests_log))}
+    conftests = {r["pid"]: r for r in map(json.loads, open(conftest_log)) if r["pid"] in tests}
+    assert set(conftests) == set(tests)
+    for pid, record in tests.items():
+        assert record["cards"], f"{record['file']} saw no card"
+        assert conftests[pid]["cards"] == record["cards"], record["file"]
+    # The 1-card files were started while test_a_long held both cards and waited at the gate.
+    assert max(r["waited"] for r in conftests.values()) > 1.5
+
+
+def _suite_processes(root: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if (
+            any(str(root) in part for part in proc.info["cmdline"] or ())
+            and proc.pid != os.getpid()
+        ):
+            found.append(proc)
+    return found
+
+
+def test_x_stop_ends_the_waiting_children_and_removes_their_logs(
+    make_suite, run_gpusched, tmp_path
+):
+    failing = """
+        import time
+        import pytest
+
+        @pytest.mark.gpu(1)
+        def test_fail():
+            time.sleep(1.0)
+            assert False
+    """
+    files = {"test_a_fail.py": failing}
+    for i in range(4):
+        files[f"test_b{i}.py"] = RECORDING.format(gpus=1, sleep=0.1, log=str(tmp_path / "x"))
+    make_suite(files)
+    result = run_gpusched("run", str(tmp_path), "--simulate-gpus", "1", "--prestart", "3", "-x")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "NOT RUN" in result.stdout
+    assert not _suite_processes(tmp_path)
+    logs = sorted(p.name for p in (tmp_path / ".gpusched" / "logs").iterdir())
+    assert logs == ["test_a_fail.py.log"]
+
+
+def test_ctrl_c_ends_the_waiting_children_too(make_suite, tmp_path):
+    hang = """
+        import time
+        import pytest
+
+        @pytest.mark.gpu(1)
+        def test_hang():
+            time.sleep(60)
+    """
+    make_suite({"test_a_hang.py": hang, **{f"test_b{i}.py": hang for i in range(3)}})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpusched", "run", str(tmp_path), "--simulate-gpus", "1",
+         "--prestart", "3", "--kill-grace", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            waiting = [p for p in _suite_processes(tmp_path) if _is_waiting(p)]
+            if len(waiting) == 3:
+                break
+            time.sleep(0.2)
+        assert len(waiting) == 3, "three files should wait at the gate"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, out
+    assert not _suite_processes(tmp_path)
+
+
+def _is_waiting(proc: psutil.Process) -> bool:
+    try:
+        return GATE_VARIABLE in proc.environ() and "pytest" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("args", [["--prestart", "-1"], ["--prestart", "two"]])
+def test_bad_prestart_is_a_usage_error(args, make_suite, run_gpusched):
+    make_suite({"test_x.py": "def test_x():\n    pass\n"})
+    result = run_gpusched("run", ".", *args)
+    assert result.returncode == 4
+    assert "prestart" in result.stderr + result.stdout
