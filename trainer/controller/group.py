@@ -3,8 +3,9 @@
 ``create_role_groups(manager, {"actor": (ActorWorker, {...}), "critic":
 (CriticWorker, {...})})`` reserves the manager's pools, starts one
 :class:`~trainer.controller.host.WorkerHost` per bundle (shared by every role
-on that pool), constructs each role's worker in those hosts, and returns
-``{role: RoleGroup}``. ``groups["critic"].compute_values(batch)`` then splits
+on that pool; with ``colocate="actor"`` one per role and bundle, each with a
+fraction of the bundle), constructs each role's worker in those hosts, and
+returns ``{role: RoleGroup}``. ``groups["critic"].compute_values(batch)`` then splits
 ``batch`` as ``CriticWorker.dispatch`` says, runs on every rank and collects.
 """
 
@@ -19,6 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from trainer.controller.colocation import ColocateMode, plan_hosts
 from trainer.controller.dispatch import collect_results, split_call
 from trainer.controller.errors import WorkerDiedError, WorkerError
 from trainer.controller.host import WorkerHost
@@ -111,7 +113,7 @@ class RoleGroup:
         return finish() if spec.blocking else PendingCall(finish)
 
     def shutdown(self) -> None:
-        """Kill this group's processes (shared with roles colocated on the same pool)."""
+        """Kill this group's processes (with ``colocate="process"``, shared with the roles on its pool)."""
         for host in self.hosts:
             ray.kill(host, no_restart=True)
 
@@ -158,66 +160,72 @@ def create_role_groups(
     manager: ResourcePoolManager,
     specs: Mapping[str, tuple[type[Worker], dict[str, Any]]],
     *,
+    colocate: ColocateMode = "process",
     runtime_env: Mapping[str, Any] | None = None,
     timeout_s: float = 60.0,
 ) -> dict[str, RoleGroup]:
     """Start the workers of every role and return one :class:`RoleGroup` per role.
 
-    Roles on the same pool share one process per bundle (rank ``i`` in bundle
-    ``i``); roles on different pools never share a process. Workers are
-    constructed in ``specs`` order, all ranks of a role at once, with
-    ``rank``, ``world_size``, ``master_addr`` and ``master_port`` already set
-    (one rendezvous address per pool, so colocated roles share a process group).
+    Rank ``i`` of a role runs in bundle ``i`` of its pool; roles on different
+    pools never share a process or a bundle. ``colocate`` says how the ``k``
+    roles mapped to one pool share its bundles:
+
+    * ``"process"`` (default): one :class:`WorkerHost` per bundle, holding the
+      whole bundle, hosts all ``k`` roles: one process, one device, one
+      ``torch.distributed`` group (one rendezvous address per pool).
+    * ``"actor"``: every role gets its own :class:`WorkerHost` in each bundle,
+      asking for ``1/k`` of the bundle's GPUs and CPUs, so rank ``i`` of each
+      role shares bundle ``i``'s card in a process of its own, with its own
+      rendezvous address and process group.
+
+    The roles' handles are the same in both modes. Workers are constructed
+    in ``specs`` order, all ranks of a role at once, with ``rank``,
+    ``world_size``, ``master_addr`` and ``master_port`` already set.
     """
     _check_specs(manager, specs)
+    host_sets = plan_hosts({role: manager.pool_of(role) for role in specs}, manager.pools, colocate)
     reserved = manager.reserve(timeout_s=timeout_s)
-    pools = list(dict.fromkeys(manager.pool_of(role) for role in specs))
-    hosts: dict[str, list[Any]] = {}
+    hosts: list[list[Any]] = []
     try:
-        for name in pools:
-            pool = reserved[name]
-            bundle = pool.pool.bundle()
-            hosts[name] = [
-                WorkerHost.options(
-                    num_cpus=bundle.get("CPU", 0.0),
-                    num_gpus=bundle.get("GPU", 0.0),
-                    runtime_env=dict(runtime_env) if runtime_env else None,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=index
-                    ),
-                ).remote(rank, pool.pool.num_threads)
-                for rank, (pg, index) in enumerate(pool.bundles())
-            ]
-        infos = {
-            name: _gather(
-                [h.info.remote() for h in hs],
-                range(len(hs)),
-                "+".join(r for r in specs if manager.pool_of(r) == name),
-                "info",
+        for host_set in host_sets:
+            pool = reserved[host_set.pool]
+            hosts.append(
+                [
+                    WorkerHost.options(
+                        num_cpus=host_set.num_cpus,
+                        num_gpus=host_set.num_gpus,
+                        runtime_env=dict(runtime_env) if runtime_env else None,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=pg, placement_group_bundle_index=index
+                        ),
+                    ).remote(rank, pool.pool.num_threads)
+                    for rank, (pg, index) in enumerate(pool.bundles())
+                ]
             )
-            for name, hs in hosts.items()
-        }
+        rank0 = [
+            _gather([h.info.remote() for h in hs], range(len(hs)), "+".join(s.roles), "info")[0]
+            for s, hs in zip(host_sets, hosts, strict=True)
+        ]
+        set_of = {role: i for i, s in enumerate(host_sets) for role in s.roles}
         groups = {}
         pending = []
         for role, (cls, kwargs) in specs.items():
-            name = manager.pool_of(role)
-            hs, rank0 = hosts[name], infos[name][0]
+            i = set_of[role]
+            hs = hosts[i]
+            address, port = rank0[i]["address"], rank0[i]["free_port"]
             refs = [
                 host.add_worker.remote(
-                    role,
-                    cls,
-                    WorkerContext(rank, len(hs), rank0["address"], rank0["free_port"], role),
-                    dict(kwargs),
+                    role, cls, WorkerContext(rank, len(hs), address, port, role), dict(kwargs)
                 )
                 for rank, host in enumerate(hs)
             ]
             pending.append((refs, role))
-            groups[role] = RoleGroup(role, cls, hs, reserved[name])
+            groups[role] = RoleGroup(role, cls, hs, reserved[host_sets[i].pool])
         for refs, role in pending:
             _gather(refs, range(len(refs)), role, "__init__")
         return groups
     except BaseException:
-        for hs in hosts.values():
+        for hs in hosts:
             for host in hs:
                 ray.kill(host, no_restart=True)
         raise

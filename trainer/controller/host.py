@@ -1,8 +1,10 @@
-"""The Ray actor that hosts the workers of every role colocated on one bundle.
+"""The Ray actor that hosts the workers of the roles colocated on one bundle.
 
-One ``WorkerHost`` runs per bundle of a pool. Each role mapped to that pool
-adds its worker object here, so colocated roles share a process (and its
-``torch.distributed`` group and device). The driver reaches a role's method
+With ``colocate="process"`` one ``WorkerHost`` runs per bundle of a pool and
+each role mapped to that pool adds its worker object here, so colocated roles
+share a process (and its ``torch.distributed`` group and device). With
+``colocate="actor"`` each role has a host of its own per bundle, holding a
+fraction of the bundle (see ``trainer/controller/colocation.py``). The driver reaches a role's method
 through :meth:`WorkerHost.call` with the role name; users only ever see the
 group's proxies, named after the worker methods.
 """
