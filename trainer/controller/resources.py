@@ -7,9 +7,10 @@
   request when the pools cannot be placed, instead of letting Ray wait forever
   for a placement group that can never be scheduled.
 * :class:`RayResourcePool` reserves one STRICT_PACK placement group per node
-  entry and orders the bundles: rank ``i`` is bundle ``i`` of the pool, with
-  placement groups sorted by their node's address so ranks are stable across
-  restarts.
+  entry, each on a node that no other entry of the pool uses (Ray enforces it
+  through a label selector on the built-in ``ray.io/node-id`` label), and
+  orders the bundles: rank ``i`` is bundle ``i`` of the pool, with placement
+  groups sorted by their node's address so ranks are stable across restarts.
 * :class:`ResourcePoolManager` maps roles to pools, checks feasibility against
   what Ray reports per node, then reserves every pool.
 """
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +46,9 @@ class ResourcePool:
 
     ``processes_per_node=[4, 4]`` asks for two nodes with four processes each;
     each entry becomes one STRICT_PACK placement group (all its bundles on one
-    node). With ``use_gpu`` every bundle holds ``gpus_per_process`` GPUs.
+    node), and the entries of one pool go to distinct nodes (never eight
+    processes on one node). With ``use_gpu`` every bundle holds
+    ``gpus_per_process`` GPUs.
     ``num_threads`` is the torch intra-op thread count set in each process.
     """
 
@@ -108,12 +112,58 @@ def _fits(need: Mapping[str, float], have: Mapping[str, float]) -> bool:
     return all(have.get(k, 0.0) + _EPS >= v for k, v in need.items())
 
 
+@dataclass(frozen=True)
+class _Unplaced:
+    """A placement group :func:`_pack` found no node for."""
+
+    pool: str
+    count: int
+    need: Mapping[str, float]
+    own_node_in_the_way: bool
+    """A node had room, but another entry of the same pool already holds it."""
+
+
+def _pack(pools: Mapping[str, ResourcePool], nodes: Sequence[NodeResources]) -> list[_Unplaced]:
+    """Pack every node entry of ``pools`` onto ``nodes``; return those that found no node.
+
+    Largest groups (GPUs, then CPUs) go first, each onto the node with the
+    least room that still fits it and that no other entry of its pool holds.
+    Groups that do not fit are skipped and packing goes on, so the result
+    lists every group left over, not only the first.
+    """
+    free = [dict(n.resources) for n in nodes]
+    taken: dict[str, set[int]] = {name: set() for name in pools}
+    groups = sorted(
+        (
+            (name, count, _times(pool.bundle(), count))
+            for name, pool in pools.items()
+            for count in pool.processes_per_node
+        ),
+        key=lambda g: (-g[2].get("GPU", 0.0), -g[2].get("CPU", 0.0)),
+    )
+    unplaced = []
+    for name, count, need in groups:
+        fitting = [i for i, have in enumerate(free) if _fits(need, have)]
+        allowed = [i for i in fitting if i not in taken[name]]
+        if not allowed:
+            unplaced.append(_Unplaced(name, count, need, bool(fitting)))
+            continue
+        best = min(allowed, key=lambda i: (free[i].get("GPU", 0.0), free[i].get("CPU", 0.0)))
+        taken[name].add(best)
+        for k, v in need.items():
+            free[best][k] = free[best].get(k, 0.0) - v
+    return unplaced
+
+
 def check_feasible(pools: Mapping[str, ResourcePool], nodes: Sequence[NodeResources]) -> None:
     """Raise :class:`InfeasibleError` unless every pool's groups fit on the nodes.
 
-    Each node entry of a pool must fit on one node (STRICT_PACK). Groups are
-    packed largest first onto the node with the least room that still fits;
-    the error names the pool, its request and every node's size.
+    Each node entry of a pool must fit on one node (STRICT_PACK), and the
+    entries of one pool need distinct nodes: ``[2, 2]`` is two processes on
+    each of two nodes, never four on one (:class:`RayResourcePool` enforces the
+    same). Each pool is checked alone first, then all pools together, packed
+    as :func:`_pack` says; the error names the pool, its request and every
+    node's size.
     """
     node_desc = ", ".join(f"{n.address} {_fmt(n.resources)}" for n in nodes) or "none"
     if not nodes:
@@ -127,29 +177,32 @@ def check_feasible(pools: Mapping[str, ResourcePool], nodes: Sequence[NodeResour
                     f"on one node (STRICT_PACK, {_fmt(need)} in all), but no node is that large; "
                     f"nodes: {node_desc}"
                 )
-    free = [dict(n.resources) for n in nodes]
-    groups = sorted(
-        (
-            (name, count, _times(pool.bundle(), count))
-            for name, pool in pools.items()
-            for count in pool.processes_per_node
-        ),
-        key=lambda g: (-g[2].get("GPU", 0.0), -g[2].get("CPU", 0.0)),
-    )
-    for name, count, need in groups:
-        fitting = [i for i, have in enumerate(free) if _fits(need, have)]
-        if not fitting:
-            request = "; ".join(
-                f"{n}: {list(p.processes_per_node)} x {_fmt(p.bundle())}" for n, p in pools.items()
-            )
+        unplaced = _pack({name: pool}, nodes)
+        if unplaced:
+            entries = len(pool.processes_per_node)
             raise InfeasibleError(
-                f"resource pools do not fit together: no room left for {count} processes of "
-                f"resource pool {name!r} ({_fmt(need)} on one node); requests: {request}; "
+                f"resource pool {name!r} asks for processes_per_node "
+                f"{list(pool.processes_per_node)} of {_fmt(pool.bundle())}: its {entries} entries "
+                f"need distinct nodes (one STRICT_PACK group per node, never two on one node), "
+                f"but only {entries - len(unplaced)} of them fit on distinct nodes; "
                 f"nodes: {node_desc}"
             )
-        best = min(fitting, key=lambda i: (free[i].get("GPU", 0.0), free[i].get("CPU", 0.0)))
-        for k, v in need.items():
-            free[best][k] = free[best].get(k, 0.0) - v
+    unplaced = _pack(pools, nodes)
+    if unplaced:
+        first = unplaced[0]
+        request = "; ".join(
+            f"{n}: {list(p.processes_per_node)} x {_fmt(p.bundle())}" for n, p in pools.items()
+        )
+        where = (
+            "on one node that no other entry of the pool holds"
+            if first.own_node_in_the_way
+            else "on one node"
+        )
+        raise InfeasibleError(
+            f"resource pools do not fit together: no room left for {first.count} processes of "
+            f"resource pool {first.pool!r} ({_fmt(first.need)} {where}); requests: {request}; "
+            f"nodes: {node_desc}"
+        )
 
 
 def _address_key(address: str) -> tuple[int, Any]:
@@ -183,11 +236,29 @@ def ray_nodes() -> list[NodeResources]:
     ]
 
 
+# Ray's built-in label: every node carries its own id under this key (Ray >= 2.49).
+_NODE_ID_LABEL = "ray.io/node-id"
+
+
+def _avoiding(node_ids: Sequence[str], count: int) -> list[dict[str, str]] | None:
+    """A ``bundle_label_selector`` for ``count`` bundles: any node but ``node_ids``."""
+    if not node_ids:
+        return None
+    return [{_NODE_ID_LABEL: f"!in({','.join(node_ids)})"}] * count
+
+
 class RayResourcePool:
     """A :class:`ResourcePool` reserved on Ray: one STRICT_PACK placement group per node entry.
 
-    Built by :meth:`ResourcePoolManager.reserve`. ``bundles()`` gives
-    ``(placement_group, bundle_index)`` per rank; rank ``i`` is bundle ``i``.
+    Built by :meth:`ResourcePoolManager.reserve`. The entries go to distinct
+    nodes, and Ray itself enforces it: the groups are reserved one after the
+    other, largest first, and each carries a label selector on Ray's built-in
+    ``ray.io/node-id`` label that excludes the nodes the earlier groups got
+    (node addresses cannot tell nodes apart: nodes of one host share it).
+    Largest first because a node with room for a large entry has room for a
+    smaller one, so an early choice never takes the only node a later entry
+    could use. ``bundles()`` gives ``(placement_group, bundle_index)`` per
+    rank; rank ``i`` is bundle ``i``.
     """
 
     def __init__(self, name: str, pool: ResourcePool, timeout_s: float = 60.0) -> None:
@@ -200,22 +271,37 @@ class RayResourcePool:
 
         self.name = name
         self.pool = pool
-        groups = [
-            placement_group([pool.bundle()] * count, strategy="STRICT_PACK", name="")
-            for count in pool.processes_per_node
-        ]
-        ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
-        if len(ready) != len(groups):
+        counts = pool.processes_per_node
+        groups: list[Any] = [None] * len(counts)
+        node_ids: list[str] = [""] * len(counts)
+        deadline = time.monotonic() + timeout_s
+        try:
+            for i in sorted(range(len(counts)), key=lambda i: -counts[i]):
+                taken = [n for n in node_ids if n]
+                groups[i] = placement_group(
+                    [pool.bundle()] * counts[i],
+                    strategy="STRICT_PACK",
+                    bundle_label_selector=_avoiding(taken, counts[i]),
+                )
+                wait_s = max(0.0, deadline - time.monotonic())
+                ready, _ = ray.wait([groups[i].ready()], timeout=wait_s)
+                if not ready:
+                    elsewhere = " on a node the pool's other entries do not use" if taken else ""
+                    raise InfeasibleError(
+                        f"resource pool {name!r}: placement groups {list(counts)} x "
+                        f"{_fmt(pool.bundle())} not ready after {timeout_s:g} s (no room for the "
+                        f"group of {counts[i]}{elsewhere}: resources taken by something else?); "
+                        "nodes: "
+                        + ", ".join(f"{n.address} {_fmt(n.resources)}" for n in ray_nodes())
+                    )
+                node_ids[i] = placement_group_table(groups[i])["bundles_to_node_id"][0]
+        except BaseException:
             for g in groups:
-                remove_placement_group(g)
-            raise InfeasibleError(
-                f"resource pool {name!r}: placement groups {list(pool.processes_per_node)} x "
-                f"{_fmt(pool.bundle())} not ready after {timeout_s:g} s (resources taken by "
-                f"something else?); nodes: "
-                + ", ".join(f"{n.address} {_fmt(n.resources)}" for n in ray_nodes())
-            )
+                if g is not None:
+                    remove_placement_group(g)
+            raise
         by_id = {n.node_id: n for n in ray_nodes()}
-        nodes = [by_id[placement_group_table(g)["bundles_to_node_id"][0]] for g in groups]
+        nodes = [by_id[node_id] for node_id in node_ids]
         order = order_by_node(nodes)
         self._groups = [groups[i] for i in order]
         self.nodes = [nodes[i] for i in order]
@@ -249,8 +335,10 @@ class ResourcePoolManager:
     """Maps roles to named pools; checks and reserves them on Ray.
 
     ``ResourcePoolManager({"train": ResourcePool([2])}, {"actor": "train",
-    "critic": "train"})`` colocates actor and critic in the same two
-    processes. Roles mapped to different pools get different processes.
+    "critic": "train"})`` colocates actor and critic on the same two bundles
+    (in the same two processes, or with ``colocate="actor"`` in processes of
+    their own with half a bundle each: see ``create_role_groups``). Roles
+    mapped to different pools get different bundles.
     """
 
     def __init__(self, pools: Mapping[str, ResourcePool], roles: Mapping[str, str]) -> None:
