@@ -6,7 +6,6 @@ shared, except the crash test which builds and throws away its own group.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import sys
@@ -122,19 +121,10 @@ class CrashWorker(Worker):
         return value.item()
 
 
-@contextlib.contextmanager
-def _ray_start(num_cpus: int = 5):
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
-def ray_shared():
-    with _ray_start():
-        yield
+def ray_init_kwargs():
+    """Five CPUs: the shared groups hold three, the other tests start up to two more."""
+    return {"num_cpus": 5}
 
 
 @pytest.fixture(scope="module")

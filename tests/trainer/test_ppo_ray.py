@@ -34,19 +34,10 @@ TINY = [
 ]
 
 
-@contextmanager
-def _ray_start(**overrides):
-    ray.init(**{"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, **overrides})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
-def ray_shared():
-    with _ray_start():
-        yield
+def ray_init_kwargs():
+    """Two CPUs (the defaults), without the workers' logs on the driver."""
+    return {"log_to_driver": False}
 
 
 @pytest.fixture(scope="module")
