@@ -7,6 +7,7 @@ Everything a trainer driver needs is importable from here::
     )
 """
 
+from trainer.controller.colocation import COLOCATE_MODES, ColocateMode
 from trainer.controller.errors import WorkerDiedError, WorkerError
 from trainer.controller.group import PendingCall, RoleGroup, create_role_groups
 from trainer.controller.modes import Dispatch, DispatchSpec
@@ -21,6 +22,8 @@ from trainer.controller.resources import (
 from trainer.controller.worker import Worker, WorkerContext, create_worker
 
 __all__ = [
+    "COLOCATE_MODES",
+    "ColocateMode",
     "Dispatch",
     "DispatchSpec",
     "InfeasibleError",
