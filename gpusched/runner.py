@@ -27,7 +27,7 @@ from gpusched.collect import plugin_args
 from gpusched.proctree import KillReport, kill_job
 from gpusched.results import FAILING, FileResult, Outcome, TestResult, judge
 from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
-from gpusched.warmstart import open_gate, prestart_env
+from gpusched.warmstart import GATE_VARIABLE, Gate, prestart_env
 
 T = TypeVar("T")
 
@@ -75,11 +75,18 @@ class Interrupt:
 
 
 @dataclass(frozen=True)
+class Ready:
+    """A child reached its gate: its start-up no longer competes for the cores."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time for a heartbeat line (``--heartbeat``)."""
 
 
-Event = Started | Finished | Interrupt | Tick
+Event = Started | Finished | Interrupt | Ready | Tick
 
 
 @dataclass
@@ -91,7 +98,15 @@ class _Child:
     stream: Path
     log_path: Path
     ray_tmpdir: str
-    gate: int | None = None  # write end of a warm start's gate, until it is opened
+    gate: Gate | None = None  # with warm starts on (cold children's gate opens at once)
+    warm: bool = False  # waiting for its cards behind a closed gate
+    watcher: asyncio.Task | None = None  # posts Ready once the child reached its gate
+
+    def close_gate(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+        if self.gate is not None:
+            self.gate.close()
 
 
 class Reporter(Protocol):
@@ -169,6 +184,8 @@ class Runner:
         self.stopping = False
         self.running: dict[int, tuple[Job, float]] = {}  # job id -> (job, start on self.clock)
         self.warm: dict[int, asyncio.Task[_Child]] = {}  # job id -> its pre-started child
+        self.starting: set[int] = set()  # jobs whose child has not reached its gate yet
+        self._cores = os.cpu_count() or 1
         self._tick_pending = False
         self._prestart = config.prestart
         if any("no:gpusched" in arg for arg in config.pytest_args):
@@ -249,6 +266,8 @@ class Runner:
                 return
             event = await self.events.get()
             match event:
+                case Ready(job_id):
+                    self.starting.discard(job_id)
                 case Started(job, cards, _pid, attempt):
                     self.running[job.id] = (job, self.clock())
                     self.reporter.started(job, cards, attempt)
@@ -295,6 +314,8 @@ class Runner:
                     self.attempts[job.id] = attempt
                     card_ids = tuple(card.id for card in cards)
                     warm = self.warm.pop(job.id, None)
+                    if warm is None and self._prestart:
+                        self.starting.add(job.id)  # its gate opens at once; it starts cold
                     self.tasks[job.id] = asyncio.create_task(
                         self._run_job(job, card_ids, attempt, warm)
                     )
@@ -335,14 +356,19 @@ class Runner:
         self.reporter.finished(result)
 
     def _warm_up(self) -> None:
-        """Pre-start the GPU jobs likely to start next, up to ``prestart`` waiting at once."""
+        """Pre-start the GPU jobs likely to start next, up to ``prestart`` waiting at once.
+
+        Only on idle cores: while as many children as there are cores are still
+        starting up, a warm start would slow down files that hold their cards.
+        """
         if not self._prestart:
             return
         for job in self.policy.upcoming(self._prestart):
-            if len(self.warm) >= self._prestart:
+            if len(self.warm) >= self._prestart or len(self.starting) >= self._cores:
                 break
             if job.id not in self.warm:
                 attempt = self.attempts.get(job.id, 0) + 1
+                self.starting.add(job.id)
                 self.warm[job.id] = asyncio.create_task(self._spawn(job, attempt, None))
 
     async def _cool_down(self) -> None:
@@ -354,11 +380,11 @@ class Runner:
             except Exception:  # noqa: BLE001 - it never started: nothing to stop
                 continue
             if child.gate is not None:
-                os.close(child.gate)  # end of file: the child exits by itself
-                child.gate = None
+                child.gate.cancel()  # end of file: the child exits by itself
             root = child.proc.pid if child.proc.returncode is None else None
             await asyncio.to_thread(kill_job, root, child.proc.pid, child.tag, 1.0, self.hurry)
             await child.proc.wait()
+            child.close_gate()
             shutil.rmtree(child.ray_tmpdir, ignore_errors=True)
             child.log_path.unlink(missing_ok=True)
 
@@ -386,10 +412,11 @@ class Runner:
             f"--gpusched-results={stream}",
             *config.pytest_args,
         ]
-        read_end = gate = None
-        if cards is None:
-            read_end, gate = os.pipe()
-            env = prestart_env(env, card_env(()), read_end)
+        gate = Gate() if self._prestart else None
+        if gate is not None and cards is None:
+            env = prestart_env(env, card_env(()), gate.child_fd)
+        elif gate is not None:
+            env[GATE_VARIABLE] = str(gate.child_fd)
         try:
             with open(log_path, "wb") as log:
                 proc = await asyncio.create_subprocess_exec(
@@ -399,17 +426,27 @@ class Runner:
                     stdin=asyncio.subprocess.DEVNULL,
                     env=env,
                     process_group=0,
-                    pass_fds=() if read_end is None else (read_end,),
+                    pass_fds=() if gate is None else (gate.child_fd,),
                 )
         except BaseException:
             shutil.rmtree(ray_tmpdir, ignore_errors=True)
+            self.starting.discard(job.id)
             if gate is not None:
-                os.close(gate)
+                gate.close()
             raise
+        child = _Child(proc, tag, stream, log_path, ray_tmpdir, gate, warm=cards is None)
+        if gate is not None:
+            gate.spawned()
+            if cards is not None:
+                gate.open(card_env(cards))
+            child.watcher = asyncio.create_task(self._watch_start(job.id, gate))
+        return child
+
+    async def _watch_start(self, job_id: int, gate: Gate) -> None:
+        try:
+            await gate.ready()
         finally:
-            if read_end is not None:
-                os.close(read_end)
-        return _Child(proc, tag, stream, log_path, ray_tmpdir, gate)
+            self.events.put_nowait(Ready(job_id))
 
     async def _run_job(
         self,
@@ -428,10 +465,11 @@ class Runner:
         spawning = warm or asyncio.ensure_future(self._spawn(job, attempt, cards))
         try:
             child = await asyncio.shield(spawning)
-            if child.gate is not None:
+            if child.warm:
                 start = self.clock() - self.t0
-                gate, child.gate = child.gate, None
-                open_gate(gate, card_env(cards))  # False: it already ended; its log says why
+                child.warm = False
+                assert child.gate is not None
+                child.gate.open(card_env(cards))  # False: it already ended; its log says why
             proc = child.proc
             self.events.put_nowait(Started(job, cards, proc.pid, attempt))
             try:
@@ -447,9 +485,8 @@ class Runner:
             interrupted = True
             if child is None:
                 child = await _finish_anyway(spawning)
-            if child.gate is not None:
-                os.close(child.gate)  # end of file: a waiting child exits by itself
-                child.gate = None
+            if child.warm and child.gate is not None:
+                child.gate.cancel()  # end of file: a waiting child exits by itself
             proc = child.proc
             root = proc.pid if proc.returncode is None else None
             kill = await _finish_anyway(
@@ -460,6 +497,7 @@ class Runner:
             await _finish_anyway(proc.wait())
         finally:
             if child is not None:
+                child.close_gate()
                 shutil.rmtree(child.ray_tmpdir, ignore_errors=True)
         pids: set[int] = set()
         lines: list[str] = []

@@ -4,11 +4,14 @@ Cards are the scarce resource of a run. A pytest child spends a fraction of a
 second to seconds starting an interpreter, importing pytest and loading the
 installed plugins before any user code runs; a card should not sit idle
 through that. So the runner starts the next few GPU files ahead of time with
-*no* cards visible and a gate: a pipe on which the child waits, inside the
-plugin's ``pytest_load_initial_conftests`` hook (before any ``conftest.py`` or
-test module is imported), for one line of JSON carrying the variables that
-depend on the assignment (``CUDA_VISIBLE_DEVICES``). When the cards are free
-the runner writes that line and the file runs as if it had just started.
+*no* cards visible and a gate: one end of a socket pair on which the child,
+inside the plugin's ``pytest_load_initial_conftests`` hook (before any
+``conftest.py`` or test module is imported), says ``ready`` and then waits for
+one line of JSON carrying the variables that depend on the assignment
+(``CUDA_VISIBLE_DEVICES``). When the cards are free the runner sends that line
+and the file runs as if it had just started. The ``ready`` line tells the
+runner that the child's start-up is over, so warm starts can be limited to
+idle cores and never slow down a file that already holds its cards.
 
 End of file on the gate without a message means "not needed after all" (the
 run was interrupted or stopped by ``-x``): the child exits at once with
@@ -20,8 +23,10 @@ environment; if such code initialised CUDA, the child refuses to run the file
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import socket
 import sys
 from collections.abc import Mapping
 
@@ -49,15 +54,48 @@ def go_message(assigned: Mapping[str, str]) -> bytes:
     return (json.dumps(dict(assigned)) + "\n").encode()
 
 
-def open_gate(write_fd: int, assigned: Mapping[str, str]) -> bool:
-    """Let a waiting child run with the ``assigned`` variables; False if it has already exited."""
-    try:
-        os.write(write_fd, go_message(assigned))
-    except BrokenPipeError:
-        return False
-    finally:
-        os.close(write_fd)
-    return True
+class Gate:
+    """The runner's end of one child's gate: a socket pair, one end passed to the child."""
+
+    def __init__(self) -> None:
+        self._ours, self._theirs = socket.socketpair()
+        self._ours.setblocking(False)
+
+    @property
+    def child_fd(self) -> int:
+        """The descriptor to pass to the child (``pass_fds``) and name in :data:`GATE_VARIABLE`."""
+        return self._theirs.fileno()
+
+    def spawned(self) -> None:
+        """The child has its copy: close ours of its end, so its exit reads as end of file."""
+        self._theirs.close()
+
+    async def ready(self) -> None:
+        """Return once the child reached the gate, or exited (or the gate was closed) before."""
+        try:
+            await asyncio.get_running_loop().sock_recv(self._ours, 64)
+        except OSError:
+            pass
+
+    def open(self, assigned: Mapping[str, str]) -> bool:
+        """Let the child run with the ``assigned`` variables; False if it has already exited."""
+        try:
+            self._ours.sendall(go_message(assigned))
+            self._ours.shutdown(socket.SHUT_WR)
+        except OSError:
+            return False
+        return True
+
+    def cancel(self) -> None:
+        """End of file for a waiting child: it exits by itself (:data:`CANCELLED`)."""
+        try:
+            self._ours.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._theirs.close()
+        self._ours.close()
 
 
 def _read_line(fd: int) -> bytes:
@@ -80,7 +118,10 @@ def wait_at_gate() -> None:
         return
     fd = int(fd_text)
     try:
+        os.write(fd, b"ready\n")
         line = _read_line(fd)
+    except OSError:  # the runner is gone
+        line = b""
     finally:
         os.close(fd)
     if not line.strip():

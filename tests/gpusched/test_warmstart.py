@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,8 +18,8 @@ from gpusched.warmstart import (
     CANCELLED,
     CUDA_TOO_EARLY,
     GATE_VARIABLE,
+    Gate,
     go_message,
-    open_gate,
     prestart_env,
 )
 
@@ -26,28 +27,35 @@ CHILD = """
 import os, sys
 {before}
 from gpusched.warmstart import wait_at_gate
-print("waiting", flush=True)
 wait_at_gate()
 print(os.environ["CUDA_VISIBLE_DEVICES"], os.environ.get("GPUSCHED_GATE_FD"), flush=True)
 """
 
 
-def _gated_child(before: str = "") -> tuple[subprocess.Popen, int]:
-    read_end, write_end = os.pipe()
+def _spawn(gate: Gate, code: str) -> subprocess.Popen:
     env = prestart_env(
-        {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, {"CUDA_VISIBLE_DEVICES": "0"}, read_end
+        {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        gate.child_fd,
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD.format(before=before)],
+        [sys.executable, "-c", code],
         env=env,
-        pass_fds=(read_end,),
+        pass_fds=(gate.child_fd,),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    os.close(read_end)
-    assert proc.stdout.readline() == "waiting\n"
-    return proc, write_end
+    gate.spawned()
+    return proc
+
+
+def _gated_child(before: str = "") -> tuple[subprocess.Popen, Gate]:
+    """A child waiting at its gate (it said ``ready``)."""
+    gate = Gate()
+    proc = _spawn(gate, CHILD.format(before=before))
+    asyncio.run(asyncio.wait_for(gate.ready(), 30))
+    return proc, gate
 
 
 def test_prestart_env_hides_every_card_until_the_gate_opens():
@@ -64,24 +72,40 @@ def test_child_waits_at_the_gate_then_runs_with_the_cards_it_is_sent():
     proc, gate = _gated_child()
     time.sleep(0.3)
     assert proc.poll() is None, "the child went past a closed gate"
-    assert open_gate(gate, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert gate.open({"CUDA_VISIBLE_DEVICES": "2,3"})
     out, err = proc.communicate(timeout=30)
+    gate.close()
     assert proc.returncode == 0, err
     assert out.split() == ["2,3", "None"]  # cards applied; the gate variable is not inherited
 
 
+def test_a_gate_opened_before_the_child_arrives_lets_it_straight_through():
+    gate = Gate()
+    proc = _spawn(gate, CHILD.format(before=""))
+    assert gate.open({"CUDA_VISIBLE_DEVICES": "1"})
+    out, err = proc.communicate(timeout=30)
+    asyncio.run(asyncio.wait_for(gate.ready(), 5))
+    gate.close()
+    assert proc.returncode == 0, err
+    assert out.split() == ["1", "None"]
+
+
 def test_closing_the_gate_without_a_message_ends_the_child():
     proc, gate = _gated_child()
-    os.close(gate)
+    gate.cancel()
     _, err = proc.communicate(timeout=30)
+    gate.close()
     assert proc.returncode == CANCELLED
     assert "not needed" in err
 
 
-def test_opening_the_gate_of_a_child_that_already_exited_reports_it():
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    assert open_gate(write_end, {"CUDA_VISIBLE_DEVICES": "0"}) is False
+def test_a_child_that_exits_before_its_gate_counts_as_ready_and_cannot_be_opened():
+    gate = Gate()
+    proc = _spawn(gate, "raise SystemExit(4)")
+    asyncio.run(asyncio.wait_for(gate.ready(), 30))  # end of file, no ready line
+    assert proc.wait(timeout=30) == 4
+    assert gate.open({"CUDA_VISIBLE_DEVICES": "0"}) is False
+    gate.close()
 
 
 def test_cuda_initialised_before_the_gate_refuses_to_run():
@@ -92,8 +116,9 @@ def test_cuda_initialised_before_the_gate_refuses_to_run():
         "cuda=types.SimpleNamespace(is_initialized=lambda: True))"
     )
     proc, gate = _gated_child(before=fake_torch)
-    open_gate(gate, {"CUDA_VISIBLE_DEVICES": "1"})
+    gate.open({"CUDA_VISIBLE_DEVICES": "1"})
     out, err = proc.communicate(timeout=30)
+    gate.close()
     assert proc.returncode == CUDA_TOO_EARLY
     assert "--prestart 0" in err and out == ""
 
@@ -213,8 +238,10 @@ def test_ctrl_c_ends_the_waiting_children_too(make_suite, tmp_path):
 
 
 def _is_waiting(proc: psutil.Process) -> bool:
+    """A warm-started child: started with a gate and no card (its initial environment)."""
     try:
-        return GATE_VARIABLE in proc.environ() and "pytest" in " ".join(proc.cmdline())
+        env = proc.environ()
+        return GATE_VARIABLE in env and env.get("CUDA_VISIBLE_DEVICES") == ""
     except psutil.Error:
         return False
 
