@@ -59,6 +59,7 @@ LEARN = [
     "critic.ppo_epochs=1",
     "algorithm.lam=1.0",
     "actor.entropy_coeff=0.0",
+    "actor.optim.lr=3e-3",
     "data.train_batch_size=64",
     "actor.ppo_mini_batch_size=32",
     "critic.ppo_mini_batch_size=32",
