@@ -112,9 +112,11 @@ def run(cfg: Config) -> RunResult:
     from trainer.runtime_env import get_runtime_env
 
     apply_loopback_guard()
+    # A critic on a pool of its own (trainer.colocate=none) needs as many processes again.
+    pools = 2 if cfg.use_critic and cfg.trainer.colocate == "none" else 1
     ray.init(
-        num_cpus=cfg.trainer.ray_num_cpus or cfg.trainer.num_workers,
-        num_gpus=cfg.trainer.num_workers if cfg.trainer.use_gpu else 0,
+        num_cpus=cfg.trainer.ray_num_cpus or pools * cfg.trainer.num_workers,
+        num_gpus=pools * cfg.trainer.num_workers if cfg.trainer.use_gpu else 0,
         include_dashboard=False,
         runtime_env=get_runtime_env(),
         log_to_driver=False,

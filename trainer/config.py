@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 ALGOS = ("gae", "grpo", "grpo_no_std", "rloo", "reinforce_pp")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "abs")
+COLOCATE_CHOICES = ("process", "actor", "none")
 
 
 class ConfigError(ValueError):
@@ -157,6 +158,10 @@ class TrainerConfig:
     """Where metrics, curves and checkpoints go; empty means runs/<timestamp>."""
     num_workers: int = 2
     """Data-parallel workers (Ray actors, one CPU each)."""
+    colocate: str = "process"
+    """How the critic shares the actor's workers: process (same processes and group),
+    actor (own processes on the same bundles, each with a fraction of the CPU/GPU),
+    none (a pool of its own, as many workers again)."""
     ray_num_cpus: int = 0
     """CPUs for the local Ray cluster; 0 means num_workers."""
     use_gpu: bool = False
@@ -237,6 +242,10 @@ def validate(cfg: Config) -> None:
     A batch the data-parallel size does not divide is fine: the driver pads it.
     """
     _need(cfg.algo in ALGOS, f"algo={cfg.algo!r}: choose one of {ALGOS}")
+    _need(
+        cfg.trainer.colocate in COLOCATE_CHOICES,
+        f"trainer.colocate={cfg.trainer.colocate!r}: choose one of {COLOCATE_CHOICES}",
+    )
     d, r, a, c, t = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.trainer
     _need(d.train_batch_size >= 1, f"data.train_batch_size={d.train_batch_size}: must be >= 1")
     _need(d.max_prompt_length >= 1, f"data.max_prompt_length={d.max_prompt_length}: must be >= 1")

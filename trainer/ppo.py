@@ -165,17 +165,23 @@ def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Te
 
 
 def build_worker_groups(
-    cfg: Config, model_path: str, max_new_tokens: int, *, colocate: bool = True
+    cfg: Config, model_path: str, max_new_tokens: int, *, colocate: bool | None = None
 ) -> dict[str, Any]:
     """Start the role groups on the running Ray cluster: actor (+ critic).
 
-    ``colocate=True`` (what ``python -m trainer`` does): one pool of
-    ``trainer.num_workers`` processes; the actor and the critic (GAE only)
-    share those processes and their gloo group. ``colocate=False``: the critic
-    gets a pool of its own, as many processes again, with its own group.
+    ``trainer.colocate`` says where the critic (GAE only) lives:
+    ``process`` (what ``python -m trainer`` does): one pool of
+    ``trainer.num_workers`` processes; actor and critic share those processes
+    and their gloo group. ``actor``: the critic gets processes of its own on
+    the same bundles, each role asking Ray for half of every bundle (the
+    fractional GPU share of verl-style colocation). ``none``: the critic gets a
+    pool of its own, as many processes again. ``colocate=False`` overrides the
+    config with ``none``.
     """
     from trainer.controller import ResourcePool, ResourcePoolManager, create_role_groups
     from trainer.workers import ActorRolloutRefWorker, CriticWorker
+
+    mode = "none" if colocate is False else cfg.trainer.colocate
 
     def pool() -> ResourcePool:
         return ResourcePool([cfg.trainer.num_workers], use_gpu=cfg.trainer.use_gpu)
@@ -185,12 +191,12 @@ def build_worker_groups(
     actor_kwargs = {"config": cfg, "model_path": model_path, "max_new_tokens": max_new_tokens}
     specs: dict[str, Any] = {"actor": (ActorRolloutRefWorker, actor_kwargs)}
     if cfg.use_critic:
-        roles["critic"] = "train" if colocate else "critic"
-        if not colocate:
+        roles["critic"] = "critic" if mode == "none" else "train"
+        if mode == "none":
             pools["critic"] = pool()
         specs["critic"] = (CriticWorker, {"config": cfg, "model_path": model_path})
     manager = ResourcePoolManager(pools, roles)
-    return create_role_groups(manager, specs)
+    return create_role_groups(manager, specs, colocate="actor" if mode == "actor" else "process")
 
 
 def shutdown_worker_groups(groups: dict[str, Any]) -> None:

@@ -161,6 +161,15 @@ def gae_separate(train) -> RunResult:
 
 
 @pytest.fixture(scope="module")
+def gae_actor_shares(train) -> RunResult:
+    """PPO with GAE, the critic in processes of its own on the actor's bundles (short run)."""
+    return train(
+        "gae-actor-shares", "algo=gae", "trainer.colocate=actor", "trainer.total_steps=2",
+        "trainer.val_every=0",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def grpo_kl_loss(train) -> RunResult:
     """GRPO (no critic) with the KL to the reference as a loss term."""
     return train("grpo", *GRPO, *LEARN, SAVE_AT_END)
@@ -226,6 +235,17 @@ def test_separate_pools_use_other_processes_and_learn(gae_separate: RunResult) -
     assert not set(pids["actor"]) & set(pids["critic"]), pids
     _assert_learns(gae_separate)
     _assert_finite(gae_separate, FINITE_ACTOR + FINITE_CRITIC)
+
+
+def test_actor_colocation_shares_bundles_from_separate_processes(
+    gae_actor_shares: RunResult,
+) -> None:
+    pids = gae_actor_shares.worker_pids
+    assert set(pids) == {"actor", "critic"}
+    assert len(pids["actor"]) == len(pids["critic"]) >= 1, pids
+    assert not set(pids["actor"]) & set(pids["critic"]), pids
+    assert len(gae_actor_shares.history) == 2
+    _assert_finite(gae_actor_shares, FINITE_ACTOR + FINITE_CRITIC)
 
 
 # ----------------------------------------------------------------- checkpoints

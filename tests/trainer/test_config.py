@@ -42,6 +42,7 @@ def test_dotted_overrides_are_typed():
         (["data.overlong_prompts=wrap"], "data.overlong_prompts"),
         (["rollout.engine=sglang"], "rollout.engine"),
         (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode"),
+        (["trainer.colocate=thread"], "trainer.colocate='thread'"),
     ],
 )
 def test_bad_values_are_named(overrides, message):
