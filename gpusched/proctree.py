@@ -26,6 +26,9 @@ _POLL = 0.05
 class KillReport:
     """What a kill found: how many processes it signalled, and pids still alive at the end.
 
+    ``found`` leaves out processes that ended by themselves during the settle
+    window (see :func:`kill_job`).
+
     ``pids`` are every process of the job seen alive during the kill (the GPU
     release check looks for them on the cards).
     """
@@ -109,8 +112,14 @@ def kill_job(
     grace: float,
     hurry: threading.Event | None = None,
     bound: float = 10.0,
+    settle: float = 0.0,
 ) -> KillReport:
     """TERM the whole job, wait up to ``grace`` s (cut short when ``hurry`` is set), then KILL.
+
+    With ``settle`` > 0, first give the job's processes that long to end by
+    themselves: after a normal exit of pytest, helpers such as
+    ``multiprocessing``'s resource tracker quit as soon as they notice their
+    parent is gone, and are not counted as left behind.
 
     Returns once no process of the job is alive, or after ``bound`` s of KILL
     rounds with the pids that survived (a process stuck in the kernel).
@@ -120,17 +129,24 @@ def kill_job(
     """
     procs = job_processes(root_pid, pgid, tag)
     seen = {proc.pid for proc in procs}
+    settle_until = time.monotonic() + settle
+    while procs and time.monotonic() < settle_until and not (hurry and hurry.is_set()):
+        time.sleep(_POLL)
+        procs = job_processes(root_pid, pgid, tag)
+        seen.update(proc.pid for proc in procs)
+    killed = {proc.pid for proc in procs}
     if not procs:
-        return KillReport(0, ())
+        return KillReport(0, (), frozenset(seen))
 
     def report(survivors: tuple[int, ...] = ()) -> KillReport:
-        return KillReport(len(seen), survivors, frozenset(seen))
+        return KillReport(len(killed), survivors, frozenset(seen))
 
     _signal_all(procs, pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not (hurry and hurry.is_set()):
         procs = job_processes(root_pid, pgid, tag)
         seen.update(proc.pid for proc in procs)
+        killed.update(proc.pid for proc in procs)
         if not procs:
             return report()
         _signal_all(procs, None, signal.SIGTERM)  # newcomers forked during the grace period
@@ -139,6 +155,7 @@ def kill_job(
     while True:
         procs = job_processes(root_pid, pgid, tag)
         seen.update(proc.pid for proc in procs)
+        killed.update(proc.pid for proc in procs)
         if not procs:
             return report()
         if time.monotonic() > deadline:

@@ -30,6 +30,7 @@ from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
 from gpusched.warmstart import GATE_VARIABLE, Gate, prestart_env
 
 T = TypeVar("T")
+SETTLE = 0.5  # after pytest exits, seconds its helpers get to end by themselves
 
 
 @dataclass(frozen=True)
@@ -478,7 +479,13 @@ class Runner:
                 timed_out = config.timeout
             root = proc.pid if proc.returncode is None else None  # a reaped pid may be reused
             kill = await asyncio.to_thread(
-                kill_job, root, proc.pid, child.tag, config.kill_grace, self.hurry
+                kill_job,
+                root,
+                proc.pid,
+                child.tag,
+                config.kill_grace,
+                self.hurry,
+                settle=SETTLE if timed_out is None else 0.0,
             )
             await proc.wait()
         except asyncio.CancelledError:

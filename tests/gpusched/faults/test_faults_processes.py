@@ -110,3 +110,30 @@ def test_crashes_keep_finished_outcomes_and_the_run_goes_on(checked):
     assert run.file("test_exit.py")["returncode"] == 3
     assert run.file("test_abort.py")["returncode"] == -signal.SIGABRT
     assert run.last_line == "gpusched: 3 passed, 3 failed, 0 skipped"
+
+
+QUITTER = """
+import os, sys, time
+# A helper in the job's process group that ends 0.2 s after starting (as multiprocessing's
+# resource tracker ends when its parent is gone), next to one that would linger.
+for pause in (0.2, 300):
+    if os.fork() == 0:
+        time.sleep(pause)
+        os._exit(0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_settle_window_does_not_count_helpers_that_end_by_themselves():
+    tag = f"settle-{time.monotonic_ns()}"
+    root = subprocess.Popen(
+        [sys.executable, "-c", QUITTER], env={**os.environ, TAG_VARIABLE: tag}, process_group=0
+    )
+    assert root.wait(30) == 0  # pytest itself has exited; its two helpers are still alive
+    try:
+        report = kill_job(None, root.pid, tag, grace=1.0, settle=1.0)
+        assert report.survivors == ()
+        assert report.found == 1, "only the lingering helper was left behind"
+        assert len(report.pids) == 2 and alive(sorted(report.pids)) == []
+    finally:
+        kill_job(None, root.pid, tag, grace=0.0)
