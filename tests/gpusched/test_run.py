@@ -183,8 +183,9 @@ def test_plan_shows_requirements_and_schedule_without_running(make_suite, run_gp
 
 
 def test_a_mixed_file_too_big_for_the_node_still_runs_its_cpu_tests(make_suite, run_gpusched):
-    make_suite({
-        "test_mixed.py": """
+    make_suite(
+        {
+            "test_mixed.py": """
             import pytest
 
             def test_cpu_part():
@@ -194,7 +195,8 @@ def test_a_mixed_file_too_big_for_the_node_still_runs_its_cpu_tests(make_suite, 
             def test_needs_two():
                 pass
         """,
-    })
+        }
+    )
     result = run_gpusched("run", ".")
     assert result.returncode == 0, result.stdout
     assert "PASSED      test_mixed.py [cpu]" in result.stdout

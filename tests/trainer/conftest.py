@@ -7,15 +7,26 @@ Fixtures (scope in brackets):
   test module that needs more, e.g. ``return {"num_cpus": 5}``.
 - ``ray_shared`` [module]: a local Ray started with those keywords, shut
   down when the module ends even if a test or the start itself failed.
+- ``trainer_cli`` [module]: runs ``python -m trainer ARGS`` as a user would,
+  in an environment with its own model cache (the tiny model built once) and
+  a short ``RAY_TMPDIR``, removed when the module ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
@@ -41,3 +52,32 @@ def ray_shared(ray_init_kwargs: dict[str, Any]) -> Iterator[None]:
     """A module-scoped local Ray cluster; see ``ray_init_kwargs``."""
     with _ray_start(**ray_init_kwargs):
         yield
+
+
+@pytest.fixture(scope="module")
+def trainer_cli(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., subprocess.CompletedProcess]]:
+    """``trainer_cli(*args, timeout=240)``: one ``python -m trainer`` subprocess, output captured."""
+    from trainer.models import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("cache")
+    ensure_tiny_model(cache_dir=cache)
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
+
+    def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "trainer", *args],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    try:
+        yield run
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

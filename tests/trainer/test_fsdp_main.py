@@ -10,61 +10,34 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from trainer.models import ensure_tiny_model
-
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 9
 
 
-def test_fsdp2_actor_and_critic_train_through_python_m_trainer(tmp_path):
-    cache = tmp_path / "cache"
-    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
-    ensure_tiny_model(cache_dir=cache)
+def test_fsdp2_actor_and_critic_train_through_python_m_trainer(trainer_cli, tmp_path):
     run_dir = tmp_path / "run"
-    try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer",
-                "algo=gae",
-                "actor.strategy=fsdp2",
-                "critic.strategy=fsdp2",
-                f"trainer.run_dir={run_dir}",
-                f"trainer.total_steps={STEPS}",
-                "trainer.val_every=0",
-                "trainer.tensorboard=false",
-                "data.train_batch_size=32",
-                "actor.ppo_mini_batch_size=16",
-                "critic.ppo_mini_batch_size=16",
-                "rollout.n=4",
-                "data.num_train_examples=512",
-                # Pinned, so tuning the defaults cannot change what this test measures.
-                "actor.ppo_epochs=2",
-                "critic.ppo_epochs=1",
-                "critic.warmup_steps=0",
-                "actor.entropy_coeff=0.0",
-                "algorithm.lam=1.0",
-                "actor.optim.lr=3e-3",
-                "critic.optim.lr=3e-3",
-            ],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    proc = trainer_cli(
+        "algo=gae",
+        "actor.strategy=fsdp2",
+        "critic.strategy=fsdp2",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.total_steps={STEPS}",
+        "trainer.val_every=0",
+        "trainer.tensorboard=false",
+        "data.train_batch_size=32",
+        "actor.ppo_mini_batch_size=16",
+        "critic.ppo_mini_batch_size=16",
+        "rollout.n=4",
+        "data.num_train_examples=512",
+        # Pinned, so tuning the defaults cannot change what this test measures.
+        "actor.ppo_epochs=2",
+        "critic.ppo_epochs=1",
+        "critic.warmup_steps=0",
+        "actor.entropy_coeff=0.0",
+        "algorithm.lam=1.0",
+        "actor.optim.lr=3e-3",
+        "critic.optim.lr=3e-3",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"trainer: done: {STEPS} steps" in proc.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -139,50 +134,35 @@ def test_weight_sync_makes_vllm_and_actor_log_probs_agree_and_sleep_frees_memory
     assert out["freed"] > 0.15 * out["total"], out
 
 
-def _run_trainer(tmp_path: Path, *args: str) -> list[dict]:
-    cache = tmp_path / "cache"
-    ensure_tiny_model(cache_dir=cache)
-    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
+def _run_trainer(trainer_cli, tmp_path: Path, *args: str) -> list[dict]:
     run_dir = tmp_path / "run"
-    try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer",
-                "trainer.device=cuda",
-                "trainer.num_workers=1",
-                f"trainer.run_dir={run_dir}",
-                "trainer.total_steps=4",
-                "trainer.val_every=2",
-                "trainer.tensorboard=false",
-                *args,
-            ],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=540,
-        )
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    proc = trainer_cli(
+        "trainer.device=cuda",
+        "trainer.num_workers=1",
+        f"trainer.run_dir={run_dir}",
+        "trainer.total_steps=4",
+        "trainer.val_every=2",
+        "trainer.tensorboard=false",
+        *args,
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.gpu1
-def test_ppo_on_cuda_with_fsdp2_and_the_hf_engine(tmp_path):
+def test_ppo_on_cuda_with_fsdp2_and_the_hf_engine(trainer_cli, tmp_path):
     _need_cuda()
-    rows = _run_trainer(tmp_path, "rollout.engine=hf")
+    rows = _run_trainer(trainer_cli, tmp_path, "rollout.engine=hf")
     assert len(rows) == 4 and all(torch.isfinite(torch.tensor(r["actor/pg_loss"])) for r in rows)
 
 
 @pytest.mark.gpu1
-def test_ppo_on_cuda_with_fsdp2_and_vllm_rollout(tmp_path):
+def test_ppo_on_cuda_with_fsdp2_and_vllm_rollout(trainer_cli, tmp_path):
     _need_vllm()
-    rows = _run_trainer(tmp_path, "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3")
+    rows = _run_trainer(
+        trainer_cli, tmp_path, "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3"
+    )
     assert len(rows) == 4
     assert all(torch.isfinite(torch.tensor(r["actor/pg_loss"])) for r in rows)
     assert "val/reward_mean" in rows[-1]

@@ -3,49 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-import pytest
 
-from trainer.models import ensure_tiny_model
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
-    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    e.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
-    ensure_tiny_model(cache_dir=cache)
-    try:
-        yield e
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _trainer(env, *args, timeout=240):
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def test_a_tiny_run_prints_where_its_outputs_are(env, tmp_path):
+def test_a_tiny_run_prints_where_its_outputs_are(trainer_cli, tmp_path):
     run_dir = tmp_path / "run"
-    proc = _trainer(
-        env,
+    proc = trainer_cli(
         "algo=grpo",
         f"trainer.run_dir={run_dir}",
         "trainer.total_steps=2",
@@ -86,17 +50,17 @@ def test_a_tiny_run_prints_where_its_outputs_are(env, tmp_path):
     assert (run_dir / "config.yaml").read_text().startswith("algo: grpo")
 
 
-def test_help_and_bad_overrides(env):
-    assert "usage: python -m trainer" in _trainer(env, "--help").stdout
-    bad = _trainer(env, "data.train_batch_size=5", "actor.ppo_mini_batch_size=2")
+def test_help_and_bad_overrides(trainer_cli):
+    assert "usage: python -m trainer" in trainer_cli("--help").stdout
+    bad = trainer_cli("data.train_batch_size=5", "actor.ppo_mini_batch_size=2")
     assert bad.returncode == 2
     assert "actor.ppo_mini_batch_size=2 does not divide data.train_batch_size=5" in bad.stderr
 
 
-def test_a_bad_data_file_fails_at_start_naming_file_and_column(env, tmp_path):
+def test_a_bad_data_file_fails_at_start_naming_file_and_column(trainer_cli, tmp_path):
     f = tmp_path / "train.jsonl"
     f.write_text(json.dumps({"question": "1+1=", "ground_truth": "2"}) + "\n")
-    proc = _trainer(env, f"data.train_files=[{f}]", f"trainer.run_dir={tmp_path / 'r'}", timeout=60)
+    proc = trainer_cli(f"data.train_files=[{f}]", f"trainer.run_dir={tmp_path / 'r'}", timeout=60)
     assert proc.returncode != 0
     assert f"{f}: missing column 'prompt'" in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr  # failed before starting Ray

@@ -111,18 +111,23 @@ class ActorRolloutRefWorker(Worker):
         with self._gathered(self.actor) if shared else nullcontext():
             return self.engine.generate(prompts.to(self.device), params).to("cpu")
 
-    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
-        """``old_log_probs`` and ``entropy`` (B, R) under the current policy."""
-        with self._gathered(self.actor):
+    def _log_probs(
+        self, model: torch.nn.Module, batch: TensorDict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropy (B, R) of ``model``, on the CPU."""
+        with self._gathered(model):
             lp, ent = compute_log_probs(
-                self.actor,
+                model,
                 batch.to(self.device),
                 self.cfg.rollout.temperature,
                 self.cfg.actor.micro_batch_size,
             )
-        return TensorDict(
-            {"old_log_probs": lp.cpu(), "entropy": ent.cpu()}, batch_size=batch.batch_size
-        )
+        return lp.cpu(), ent.cpu()
+
+    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
+        """``old_log_probs`` and ``entropy`` (B, R) under the current policy."""
+        lp, ent = self._log_probs(self.actor, batch)
+        return TensorDict({"old_log_probs": lp, "entropy": ent}, batch_size=batch.batch_size)
 
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """``ref_log_probs`` (B, R) under the frozen reference policy."""
@@ -130,14 +135,8 @@ class ActorRolloutRefWorker(Worker):
             raise RuntimeError(
                 "compute_ref_log_prob called but no KL term is configured (no reference model)"
             )
-        with self._gathered(self.ref):
-            lp, _ = compute_log_probs(
-                self.ref,
-                batch.to(self.device),
-                self.cfg.rollout.temperature,
-                self.cfg.actor.micro_batch_size,
-            )
-        return TensorDict({"ref_log_probs": lp.cpu()}, batch_size=batch.batch_size)
+        lp, _ = self._log_probs(self.ref, batch)
+        return TensorDict({"ref_log_probs": lp}, batch_size=batch.batch_size)
 
     def update_actor(self, batch: TensorDict, step: int) -> dict[str, float]:
         """PPO update on this rank's shard (gradients averaged over ranks); returns metrics."""
