@@ -110,22 +110,54 @@ def run(cfg: Config) -> RunResult:
     prepared = _prepare(cfg)  # bad input fails here, before Ray starts
     from trainer.netguard import apply_loopback_guard
     from trainer.runtime_env import get_runtime_env
+    from trainer.workers.device import CPU_WORKERS
 
     apply_loopback_guard()
-    # A critic on a pool of its own (trainer.colocate=none) needs as many processes again.
-    pools = 2 if cfg.use_critic and cfg.trainer.colocate == "none" else 1
+    request, pools, workers = cfg.device_request, _pools(cfg), cfg.trainer.num_workers
+    if workers:
+        num_cpus = pools * workers
+    elif request == "cpu":
+        num_cpus = pools * CPU_WORKERS
+    else:  # auto workers on a node whose GPUs Ray is about to count: room for one per GPU
+        num_cpus = max(pools * CPU_WORKERS, os.cpu_count() or 1)
     ray.init(
-        num_cpus=cfg.trainer.ray_num_cpus or pools * cfg.trainer.num_workers,
-        num_gpus=pools * cfg.trainer.num_workers if cfg.trainer.use_gpu else 0,
+        num_cpus=cfg.trainer.ray_num_cpus or num_cpus,
+        # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
+        # _plan_on_cluster then trains on them; trainer.device=cpu hides them from Ray.
+        num_gpus=0 if request == "cpu" else None,
         include_dashboard=False,
         runtime_env=get_runtime_env(),
         log_to_driver=False,
         logging_level="ERROR",
     )
     try:
+        _plan_on_cluster(cfg)
         return _train(prepared)
     finally:
         ray.shutdown()
+
+
+def _pools(cfg: Config) -> int:
+    """Pools the run reserves: 2 when the critic has a pool of its own (colocate=none)."""
+    return 2 if cfg.use_critic and cfg.trainer.colocate == "none" else 1
+
+
+def _plan_on_cluster(cfg: Config, *, colocate: bool = True) -> None:
+    """Settle ``trainer.device=auto`` and ``num_workers=0`` from the running Ray cluster.
+
+    The cluster, not this process's CUDA, decides: ``auto`` trains on CUDA when
+    the cluster offers GPUs. Writes the decision back into ``cfg``
+    (``trainer.use_gpu``, ``trainer.num_workers``) for the pools and workers.
+    """
+    import ray
+
+    from trainer.workers.device import plan_devices
+
+    pools = _pools(cfg) if colocate else (2 if cfg.use_critic else 1)
+    gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    plan = plan_devices(cfg.device_request, gpus, cfg.trainer.num_workers, pools)
+    cfg.trainer.use_gpu = plan.use_gpu
+    cfg.trainer.num_workers = plan.num_workers
 
 
 def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:
@@ -144,7 +176,9 @@ def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:
         raise RuntimeError(
             "run_on_cluster needs a running Ray: call ray.init(...) first, or use run(cfg)"
         )
-    return _train(_prepare(cfg), colocate=colocate)
+    prepared = _prepare(cfg)
+    _plan_on_cluster(cfg, colocate=colocate)
+    return _train(prepared, colocate=colocate)
 
 
 @dataclass
@@ -171,15 +205,12 @@ def _prepare(cfg: Config) -> _Prepared:
     from trainer.data import build_datasets
     from trainer.models import load_tokenizer, resolve_model_path
     from trainer.ppo import resolve_reward_fn, response_length
-    from trainer.workers.device import wants_gpu_bundles
 
     t0 = time.perf_counter()
     run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
-    if wants_gpu_bundles(cfg.device_request, torch.cuda.is_available()):
-        cfg.trainer.use_gpu = True  # GPU bundles in the placement groups, num_gpus for ray.init
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     train, val = build_datasets(cfg, tokenizer)

@@ -126,7 +126,9 @@ def _group_index(group_ids: torch.Tensor | Sequence[Hashable], batch: int) -> to
     if len(ids) != batch:
         raise ValueError(f"group_ids has {len(ids)} entries but the batch has {batch} rows")
     index: dict[Hashable, int] = {}
-    return torch.tensor([index.setdefault(g, len(index)) for g in ids], dtype=torch.long)
+    return torch.tensor(
+        [index.setdefault(g, len(index)) for g in ids], dtype=torch.long, device="cpu"
+    )
 
 
 def _sequence_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ __all__ = [
     "batch_len",
     "chunk",
     "concat",
+    "device_of",
     "from_samples",
     "merge_metrics",
     "pad_to_divisor",
@@ -70,6 +71,21 @@ def _check_batched(td: Any, name: str = "batch") -> None:
         raise ValueError(
             f"{name} must have exactly one batch dimension, got batch_size={list(td.batch_size)}"
         )
+
+
+def device_of(td: TensorDictBase) -> torch.device:
+    """The device of ``td``'s tensors: its own ``device``, else its first tensor's, else CPU.
+
+    Index and padding tensors built for a batch go here, so they join its data
+    on the same device (a TensorDict built from tensors without ``device=``
+    reports ``None`` even when every tensor is on one card).
+    """
+    if td.device is not None:
+        return td.device
+    for value in td.values(include_nested=True, leaves_only=True):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
 
 
 def batch_len(td: TensorDictBase) -> int:
@@ -147,7 +163,7 @@ def pad_to_divisor(td: TensorDictBase, divisor: int) -> tuple[TensorDictBase, in
     pad_size = (-size) % divisor
     if pad_size == 0:
         return _normalized(td), 0
-    index = torch.arange(pad_size) % size
+    index = torch.arange(pad_size, device=device_of(td)) % size
     return _normalized(torch.cat([td, td[index]], dim=0)), pad_size
 
 
@@ -244,7 +260,7 @@ def repeat_interleave(td: TensorDictBase, n: int) -> TensorDictBase:
     size = batch_len(td)
     if n == 1:
         return _normalized(td.clone(recurse=False))
-    return _normalized(td[torch.arange(size).repeat_interleave(n)])
+    return _normalized(td[torch.arange(size, device=device_of(td)).repeat_interleave(n)])
 
 
 def select(td: TensorDictBase, keys: Iterable[str]) -> TensorDictBase:

@@ -156,18 +156,21 @@ class TrainerConfig:
     """never, auto (latest checkpoint in run_dir), or a checkpoint directory."""
     run_dir: str = ""
     """Where metrics, curves and checkpoints go; empty means runs/<timestamp>."""
-    num_workers: int = 2
-    """Data-parallel workers (Ray actors, one CPU each)."""
+    num_workers: int = 0
+    """Data-parallel workers (Ray actors, one CPU each, plus one GPU each on CUDA);
+    0 means auto: every GPU of the Ray cluster on CUDA, 2 on CPU."""
     colocate: str = "process"
     """How the critic shares the actor's workers: process (same processes and group),
     actor (own processes on the same bundles, each with a fraction of the CPU/GPU),
     none (a pool of its own, as many workers again)."""
     ray_num_cpus: int = 0
-    """CPUs for the local Ray cluster; 0 means num_workers."""
+    """CPUs for the local Ray cluster; 0 means one per worker (on a GPU node with
+    auto workers: the node's cores)."""
     use_gpu: bool = False
     """One GPU per worker (NCCL); the CPU default uses gloo. Same as device=cuda."""
     device: str = "auto"
-    """cuda, cpu, or auto (cuda when a GPU is visible). NCCL on cuda, gloo on cpu."""
+    """cuda, cpu, or auto: cuda when the Ray cluster offers GPUs, cpu when it offers
+    none (what the driver's CUDA shows does not matter). NCCL on cuda, gloo on cpu."""
     progress: bool = True
     tensorboard: bool = True
     """Also log to TensorBoard when it is installed."""
@@ -275,7 +278,9 @@ def validate(cfg: Config) -> None:
             r.n >= 2,
             f"algo={cfg.algo} with rollout.n={r.n}: group baselines need at least 2 samples per prompt",
         )
-    for name, sec in (("actor", a), ("critic", c)):
+    # Settings of a role that does not exist are not validated: no critic without algo=gae.
+    roles = (("actor", a), ("critic", c)) if cfg.use_critic else (("actor", a),)
+    for name, sec in roles:
         _need(sec.ppo_epochs >= 1, f"{name}.ppo_epochs={sec.ppo_epochs}: must be >= 1")
         _need(
             sec.micro_batch_size >= 1,
@@ -324,7 +329,7 @@ def validate(cfg: Config) -> None:
         not (t.use_gpu and t.device == "cpu"),
         "trainer.use_gpu=true and trainer.device=cpu: choose one (use_gpu means device=cuda)",
     )
-    for name, sec in (("actor", a), ("critic", c)):
+    for name, sec in roles:
         _need(
             sec.strategy in ("auto", "fsdp2", "ddp"),
             f"{name}.strategy={sec.strategy!r}: choose 'auto', 'fsdp2' or 'ddp'",
@@ -334,7 +339,7 @@ def validate(cfg: Config) -> None:
             f"{name}.offload=true with {name}.strategy=ddp: offload needs fsdp2 (or auto on CUDA)",
         )
     _need(t.total_steps >= 1, f"trainer.total_steps={t.total_steps}: must be >= 1")
-    _need(t.num_workers >= 1, f"trainer.num_workers={t.num_workers}: must be >= 1")
+    _need(t.num_workers >= 0, f"trainer.num_workers={t.num_workers}: must be >= 0 (0 means auto)")
     _need(
         t.ray_num_cpus == 0 or t.ray_num_cpus >= t.num_workers,
         f"trainer.ray_num_cpus={t.ray_num_cpus} < trainer.num_workers={t.num_workers}: "

@@ -60,10 +60,10 @@ def finished_mask(
 
 def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence's score on its last response token (zeros elsewhere)."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
     lengths = response_mask.sum(dim=1)
     rows = torch.nonzero(lengths > 0).squeeze(1)
-    out[rows, lengths[rows] - 1] = scores[rows]
+    out[rows, lengths[rows] - 1] = scores.to(out.device)[rows]
     return out
 
 
@@ -118,9 +118,11 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float("nan") if var_y == 0 else float(1 - torch.var(y - v) / var_y)
 
 
-def group_ids_for(num_prompts: int, n: int, offset: int = 0) -> torch.Tensor:
+def group_ids_for(
+    num_prompts: int, n: int, offset: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Group id per sample after repeating each prompt ``n`` times in place."""
-    return torch.arange(offset, offset + num_prompts).repeat_interleave(n)
+    return torch.arange(offset, offset + num_prompts, device=device).repeat_interleave(n)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

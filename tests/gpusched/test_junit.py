@@ -29,7 +29,7 @@ def result(nodeid: str, outcome: str, message: str = "") -> dict:
             "message": message}  # fmt: skip
 
 
-def suites_by_name(text: str) -> dict[str, junitparser.TestSuite]:
+def suites_by_name(text: bytes) -> dict[str, junitparser.TestSuite]:
     xml = JUnitXml.fromstring(text)
     return {suite.name: suite for suite in xml}
 
@@ -76,7 +76,7 @@ def test_timeouts_crashes_failures_and_collection_errors_in_one_report(tmp_path)
         )
     )
     text = junit_xml([timed_out, crashed, failed, *broken])
-    suites = suites_by_name(text)
+    suites = suites_by_name(text.encode("utf-8"))  # as bytes: lxml refuses a declared str
     assert len(suites) == 4
 
     slow = suites[next(name for name in suites if name.endswith("test_slow.py"))]
@@ -108,7 +108,7 @@ def test_timeouts_crashes_failures_and_collection_errors_in_one_report(tmp_path)
     assert isinstance(error, Error) and "ImportError: x" in error.text
     assert properties(broken_suite)["outcome"] == "ERROR"
 
-    root = JUnitXml.fromstring(text)
+    root = JUnitXml.fromstring(text.encode("utf-8"))
     assert (root.tests, root.failures, root.errors) == (7, 1, 3)
 
 
@@ -132,7 +132,7 @@ def test_gpusched_run_writes_a_junit_file_junitparser_reads(tmp_path):
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "\x1b" not in done.stdout + done.stderr  # a pipe: plain lines, no control codes
-    suites = suites_by_name((tmp_path / "reports" / "junit.xml").read_text(encoding="utf-8"))
+    suites = suites_by_name((tmp_path / "reports" / "junit.xml").read_bytes())
     assert sorted(suites) == sorted(SUITE)
     assert properties(suites["test_ok.py"])["cards"] == "0,1"
     assert all(case.is_passed for case in suites["test_ok.py"])

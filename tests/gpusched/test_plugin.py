@@ -50,7 +50,8 @@ def test_mark_expressions_select_by_gpu_count(make_suite, run_pytest):
 
 def test_tests_needing_more_gpus_than_visible_are_skipped_with_the_reason(make_suite, run_pytest):
     make_suite(SUITE)
-    none = run_pytest("-rs")
+    # Hide every card: on a GPU node some are visible, and this test sets what it counts on.
+    none = run_pytest("-rs", CUDA_VISIBLE_DEVICES="")
     assert none.returncode == 0, none.stdout
     assert "needs 2 GPUs, 0 visible" in none.stdout
     assert "1 passed, 4 skipped" in none.stdout

@@ -12,7 +12,7 @@ def test_defaults_are_valid_and_describe_the_default_run():
     assert isinstance(cfg, Config)
     assert cfg.algo == "gae" and cfg.use_critic and not cfg.use_reference
     assert cfg.model.path == "tiny" and cfg.data.task == "repeat"
-    assert cfg.trainer.num_workers == 2
+    assert cfg.trainer.num_workers == 0  # auto: every GPU of the cluster, 2 on CPU
     assert to_dict(cfg)["actor"]["optim"]["lr"] == cfg.actor.optim.lr
 
 
@@ -108,3 +108,11 @@ def test_every_key_in_the_docs_table_is_a_config_key():
         assert OmegaConf.select(known, key, default="<unknown>") != "<unknown>", (
             f"docs name unknown key {key}"
         )
+
+
+def test_settings_of_a_role_that_does_not_exist_are_not_validated():
+    """GRPO has no critic: its mini-batch need not divide the batch (the GAE run still checks)."""
+    grpo = load_config(["algo=grpo", "data.train_batch_size=128", "critic.ppo_mini_batch_size=48"])
+    assert grpo.critic.ppo_mini_batch_size == 48
+    with pytest.raises(ConfigError, match=r"critic.ppo_mini_batch_size=48 does not divide"):
+        load_config(["algo=gae", "data.train_batch_size=128", "critic.ppo_mini_batch_size=48"])

@@ -105,12 +105,59 @@ def test_config_device_and_strategy_keys():
         load_config(["rollout.gpu_memory_utilization=0"])
 
 
-def test_auto_asks_ray_for_gpu_bundles_only_when_the_driver_sees_cuda():
-    from trainer.workers.device import wants_gpu_bundles
+@pytest.mark.parametrize(
+    ("requested", "cluster_gpus", "workers", "pools", "want"),
+    [
+        ("auto", 0, 0, 1, ("cpu", 2)),  # a CPU cluster, whatever the driver's CUDA shows
+        ("auto", 0, 3, 1, ("cpu", 3)),
+        ("auto", 1, 0, 1, ("cuda", 1)),  # python -m trainer on a 1-GPU node
+        ("auto", 8, 0, 1, ("cuda", 8)),  # ... and on an 8-GPU node
+        ("auto", 8, 0, 2, ("cuda", 4)),  # a critic pool of its own takes half
+        ("auto", 8, 2, 1, ("cuda", 2)),
+        ("cuda", 4, 0, 1, ("cuda", 4)),
+        ("cpu", 8, 0, 1, ("cpu", 2)),
+        ("cpu", 8, 5, 2, ("cpu", 5)),
+    ],
+)
+def test_the_cluster_decides_device_and_worker_count(requested, cluster_gpus, workers, pools, want):
+    from trainer.workers.device import plan_devices
 
-    assert wants_gpu_bundles("auto", driver_sees_cuda=True)
-    assert not wants_gpu_bundles("auto", driver_sees_cuda=False)
-    assert wants_gpu_bundles("cuda", driver_sees_cuda=False)  # GPUs may live on other nodes
-    assert not wants_gpu_bundles("cpu", driver_sees_cuda=True)
-    with pytest.raises(ValueError, match="trainer.device='tpu'"):
-        wants_gpu_bundles("tpu", driver_sees_cuda=True)
+    plan = plan_devices(requested, cluster_gpus, workers, pools)
+    assert (plan.device, plan.num_workers) == want
+    assert plan.use_gpu == (want[0] == "cuda")
+
+
+def test_asking_for_more_gpu_workers_than_the_cluster_has_is_a_clear_error():
+    from trainer.workers.device import plan_devices
+
+    with pytest.raises(RuntimeError, match=r"trainer.num_workers=2: .* offers 1 GPU"):
+        plan_devices("auto", 1, 2)
+    with pytest.raises(RuntimeError, match=r"trainer.num_workers=3: .*2 pools"):
+        plan_devices("cuda", 4, 3, pools=2)
+    with pytest.raises(RuntimeError, match=r"trainer.device=cuda: the Ray cluster offers no GPU"):
+        plan_devices("cuda", 0, 0)
+    with pytest.raises(RuntimeError, match=r"2 pools need at least 2 GPUs"):
+        plan_devices("auto", 1, 0, pools=2)
+    with pytest.raises(ValueError, match=r"trainer.device='tpu'"):
+        plan_devices("tpu", 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("requested", "cuda", "granted", "want"),
+    [
+        ("auto", True, [], "cpu"),  # CUDA visible, but Ray granted no GPU: CPU and gloo
+        ("auto", False, [], "cpu"),
+        ("auto", True, ["0"], "cuda"),
+        ("cuda", True, ["3"], "cuda"),
+        ("cpu", True, ["0"], "cpu"),
+    ],
+)
+def test_in_a_ray_worker_the_grant_decides(requested, cuda, granted, want):
+    assert resolve_device(requested, cuda, None, granted) == want
+
+
+def test_grant_and_cuda_disagreeing_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"trainer.device=cuda: Ray granted this worker no GPU"):
+        resolve_device("cuda", True, None, [])
+    with pytest.raises(RuntimeError, match=r"granted this worker GPU\(s\) \['1'\] but torch sees"):
+        resolve_device("auto", False, "1", ["1"])

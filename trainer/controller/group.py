@@ -228,4 +228,6 @@ def create_role_groups(
         for hs in hosts:
             for host in hs:
                 ray.kill(host, no_restart=True)
+        for pool in reserved.values():  # else the failed start holds the cluster's resources
+            pool.release()
         raise

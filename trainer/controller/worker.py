@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from trainer.controller.grant import granted_backend
 from trainer.controller.modes import DispatchSpec, as_spec
 from trainer.distributed import default_backend, free_port
 
@@ -108,7 +109,9 @@ class Worker:
     def init_distributed(self, backend: str | None = None) -> None:
         """Bring up the default ``torch.distributed`` process group of this group.
 
-        ``backend`` defaults to NCCL when CUDA is available, gloo otherwise.
+        ``backend`` defaults to NCCL when Ray granted this worker GPU ids and
+        gloo when it granted none, whatever CUDA shows (outside Ray: NCCL when
+        CUDA is available).
         Idempotent: roles colocated in one process share one process group, so
         the second call is a no-op (the world sizes must agree).
         """
@@ -124,7 +127,7 @@ class Worker:
                 f"{self.role or type(self).__name__}: rank {self.rank} of {self.world_size} has no "
                 "master_port; workers of a group get one from create_role_groups"
             )
-        backend = backend or default_backend()
+        backend = backend or granted_backend() or default_backend()
         port = self.master_port or free_port(self.master_addr)
         if backend == "nccl":
             torch.cuda.set_device(0)

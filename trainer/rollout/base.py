@@ -62,9 +62,11 @@ def finish_responses(
     - ``response_mask`` (B, R): 1 on generated tokens up to and including EOS.
     """
     b = prompt_ids.shape[0]
-    resp = torch.full((b, max_new_tokens), pad_token_id, dtype=prompt_ids.dtype)
+    resp = torch.full(
+        (b, max_new_tokens), pad_token_id, dtype=prompt_ids.dtype, device=prompt_ids.device
+    )
     n = min(generated.shape[1], max_new_tokens)
-    resp[:, :n] = generated[:, :n]
+    resp[:, :n] = generated[:, :n].to(prompt_ids.device)
     is_eos = resp == eos_token_id
     # Positions strictly after the first EOS are not part of the response.
     after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0

@@ -24,6 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from trainer import algos
+from trainer import batch as batch_ops
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def _mini_batches(batch: TensorDict, num_mini_batches: int, seed: int) -> list[T
             "the driver pads the batch so this cannot happen"
         )
     gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=gen)
+    perm = torch.randperm(n, generator=gen, device="cpu").to(batch_ops.device_of(batch))
     return list(batch[perm].split(n // num_mini_batches))
 
 
