@@ -89,8 +89,11 @@ class ActorConfig:
     """Passes over each batch."""
     ppo_mini_batch_size: int = 64
     """Prompts per mini-batch (one optimizer step each)."""
-    micro_batch_size: int = 256
-    """Sequences per forward/backward on one worker."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on one worker; 0 means by micro_batch_tokens."""
+    micro_batch_tokens: int = 16384
+    """With micro_batch_size=0: tokens (padded rows x length) per forward/backward on one
+    worker, so the number of passes follows the work (verl's ppo_max_token_len_per_gpu)."""
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
@@ -111,7 +114,9 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 64
-    micro_batch_size: int = 256
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on one worker; 0 means by micro_batch_tokens."""
+    micro_batch_tokens: int = 16384
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
@@ -140,8 +145,9 @@ class AlgorithmConfig:
 class RewardConfig:
     function: str = ""
     """Dotted path or /path/file.py:function; empty means the task's own rule."""
-    score_unfinished: bool = False
-    """Score responses cut at the length limit without EOS with the function too (default: 0)."""
+    score_unfinished: bool = True
+    """Score responses cut at the length limit without EOS with the function too, as TRL
+    and verl do; false scores them 0 without calling it (an answer that never stopped)."""
 
 
 @dataclass
@@ -283,8 +289,13 @@ def validate(cfg: Config) -> None:
     for name, sec in roles:
         _need(sec.ppo_epochs >= 1, f"{name}.ppo_epochs={sec.ppo_epochs}: must be >= 1")
         _need(
-            sec.micro_batch_size >= 1,
-            f"{name}.micro_batch_size={sec.micro_batch_size}: must be >= 1",
+            sec.micro_batch_size >= 0,
+            f"{name}.micro_batch_size={sec.micro_batch_size}: must be >= 0 (0: by tokens)",
+        )
+        _need(
+            sec.micro_batch_size > 0 or sec.micro_batch_tokens >= 1,
+            f"{name}.micro_batch_tokens={sec.micro_batch_tokens} with {name}.micro_batch_size=0: "
+            "the token budget must be >= 1",
         )
         _need(sec.optim.lr > 0, f"{name}.optim.lr={sec.optim.lr}: must be > 0")
         _need(

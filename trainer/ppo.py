@@ -125,6 +125,20 @@ def group_ids_for(
     return torch.arange(offset, offset + num_prompts, device=device).repeat_interleave(n)
 
 
+def needs_old_log_prob_pass(cfg: Config) -> bool:
+    """Whether a step needs a separate forward pass for the sampling policy's log-probs.
+
+    Not for one on-policy pass (one epoch, one mini-batch, as TRL's GRPO with
+    ``num_iterations=1``): the update's own forward gives them, detached (see
+    :func:`trainer.workers.compute.update_policy`). A KL penalty in the reward
+    needs them before the advantages, so it keeps the pass.
+    """
+    one_pass = (
+        cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+    )
+    return not one_pass or cfg.algorithm.use_kl_in_reward
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean of ``x`` over ``mask`` (0.0 when empty)."""
     m = mask.bool()
@@ -308,10 +322,13 @@ class PPOTrainer:
             scores = score_responses(self.reward_fn, texts, gts, extras, self._finished(batch))
             token_rewards = token_level_rewards(scores, mask)
 
-        # 3. log-probs under the policy that sampled (and the reference), values
-        with _timed(m, "old_log_prob"):
-            lp = self.actor.compute_log_prob(batch)
-        batch["old_log_probs"] = lp["old_log_probs"]
+        # 3. log-probs under the policy that sampled (unless the update's own
+        #    forward gives them: one on-policy pass), the reference's, values
+        lp = None
+        if needs_old_log_prob_pass(cfg):
+            with _timed(m, "old_log_prob"):
+                lp = self.actor.compute_log_prob(batch)
+            batch["old_log_probs"] = lp["old_log_probs"]
         if cfg.use_reference:
             with _timed(m, "ref"):
                 batch["ref_log_probs"] = self.actor.compute_ref_log_prob(batch)["ref_log_probs"]
@@ -365,13 +382,14 @@ class PPOTrainer:
                 "rollout/reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
                 "rollout/exact": float((scores == 1).float().mean()),
                 "rollout/response_length": float(mask.sum(1).float().mean()),
-                "actor/entropy": masked_mean(lp["entropy"], mask),
                 "actor/advantages_mean": masked_mean(adv, mask),
                 "timing/step": elapsed,
                 "perf/tokens_per_s": n_tokens / max(elapsed, 1e-9),
                 "perf/response_tokens": float(n_tokens),
             }
         )
+        if lp is not None:
+            m["actor/entropy"] = masked_mean(lp["entropy"], mask)
         m.update(self.train.metrics("rollout"))
         self.step += 1
         return m

@@ -29,6 +29,7 @@ from trainer.ppo import (
     finished_mask,
     group_ids_for,
     masked_mean,
+    needs_old_log_prob_pass,
     resolve_reward_fn,
     response_length,
     score_responses,
@@ -102,12 +103,16 @@ class ReferenceLoop:
         )
         scores = score_responses(self.reward_fn, texts, gts, extras, finished)
         rewards = token_level_rewards(scores, mask)
-        mb = cfg.actor.micro_batch_size
-        old, entropy = compute_log_probs(self.actor, batch.to(dev), cfg.rollout.temperature, mb)
-        batch["old_log_probs"], entropy = old.cpu(), entropy.cpu()
+        mb = (cfg.actor.micro_batch_size, cfg.actor.micro_batch_tokens)
         metrics: dict[str, float] = {}
+        if needs_old_log_prob_pass(cfg):
+            old, entropy = compute_log_probs(
+                self.actor, batch.to(dev), cfg.rollout.temperature, *mb
+            )
+            batch["old_log_probs"] = old.cpu()
+            metrics["actor/entropy"] = masked_mean(entropy.cpu(), mask)
         if self.ref is not None:
-            ref, _ = compute_log_probs(self.ref, batch.to(dev), cfg.rollout.temperature, mb)
+            ref, _ = compute_log_probs(self.ref, batch.to(dev), cfg.rollout.temperature, *mb)
             batch["ref_log_probs"] = ref.cpu()
         if cfg.algorithm.use_kl_in_reward:
             rewards, kl = apply_kl_in_reward(
@@ -122,7 +127,10 @@ class ReferenceLoop:
             metrics.update({"actor/reward_kl": kl, "actor/kl_coef": float(self.kl_ctrl.value)})
         values = None
         if self.critic is not None:
-            values = compute_values(self.critic, batch.to(dev), cfg.critic.micro_batch_size).cpu()
+            c = cfg.critic
+            values = compute_values(
+                self.critic, batch.to(dev), c.micro_batch_size, c.micro_batch_tokens
+            ).cpu()
             batch["values"] = values
         adv, ret = compute_advantages(
             cfg.algo,
@@ -151,7 +159,6 @@ class ReferenceLoop:
             {
                 "rollout/reward_mean": float(scores.mean()),
                 "rollout/response_length": float(mask.sum(1).float().mean()),
-                "actor/entropy": masked_mean(entropy, mask),
                 "actor/lr": float(self.actor_sched.get_last_lr()[0]),
                 "timing/gen": t_gen - t0,
                 "timing/prep": t_prep - t_gen,
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         val = f" val={m['val/reward_mean']:.3f}" if "val/reward_mean" in m else ""
         print(
             f"step {m['step']:3d} t={time.perf_counter() - t0:6.1f}s reward={m['rollout/reward_mean']:.3f}"
-            f" len={m['rollout/response_length']:.2f} ent={m['actor/entropy']:.2f}{val}",
+            f" len={m['rollout/response_length']:.2f} ent={m.get('actor/entropy', float('nan')):.2f}{val}",
             flush=True,
         )
 

@@ -181,3 +181,50 @@ def test_two_gloo_ranks_with_micro_batches_equal_one_process(model_dir, mode):
     single = {f"actor.{k}": v for k, v in actor.state_dict().items()}
     single.update({f"critic.{k}": v for k, v in critic.state_dict().items()})
     _assert_close(per_rank[0], single)
+
+
+def test_one_on_policy_pass_without_old_log_probs_is_the_same_update(model_dir):
+    """Skipping the old-log-prob pass: the update's own log-probs, detached, are the old ones."""
+    td = _batch(model_dir, rows=8, seed=4)
+    s = PolicyUpdateSettings(num_mini_batches=1, micro_batch_size=3, grad_clip=1e9)
+    torch.manual_seed(0)
+    actor = build_actor(model_dir)
+    td["old_log_probs"], entropy = compute_log_probs(actor, td, 1.0, 64)  # exactly on-policy
+    outs, metrics = [], []
+    for batch in (td, td.exclude("old_log_probs")):
+        torch.manual_seed(0)
+        actor = build_actor(model_dir)
+        opt, _ = build_optimizer(actor)
+        metrics.append(update_policy(actor, opt, batch, s))
+        outs.append(actor.state_dict())
+    _assert_close(outs[0], outs[1])
+    assert metrics[1]["actor/pg_clipfrac"] == 0.0 and metrics[1]["actor/approx_kl"] == 0.0
+    # The entropy the skipped pass would have reported (mean over micro-batches here).
+    assert metrics[1]["actor/entropy"] == pytest.approx(
+        float(entropy[td["response_mask"].bool()].mean()), rel=0.05
+    )
+    with pytest.raises(ValueError, match=r"only valid for one on-policy pass .*ppo_epochs=2"):
+        update_policy(actor, opt, td.exclude("old_log_probs"), _policy_settings("token-mean", 4))
+
+
+def test_micro_batches_by_token_budget():
+    from trainer.workers.compute import micro_batches
+
+    td = TensorDict({"input_ids": torch.zeros(10, 20, dtype=torch.long)}, batch_size=[10])
+    assert [m.batch_size[0] for m in micro_batches(td, 0, 64)] == [3, 3, 3, 1]  # 64 // 20 rows
+    assert [m.batch_size[0] for m in micro_batches(td, 0, 5)] == [1] * 10  # at least one row
+    assert [m.batch_size[0] for m in micro_batches(td, 4, 5)] == [4, 4, 2]  # rows win when set
+    with pytest.raises(ValueError, match="give rows >= 1 or tokens >= 1"):
+        micro_batches(td, 0, 0)
+
+
+def test_the_old_log_prob_pass_is_skipped_only_for_one_on_policy_pass():
+    from trainer.config import load_config
+    from trainer.ppo import needs_old_log_prob_pass
+
+    one = ["actor.ppo_epochs=1", "actor.ppo_mini_batch_size=128", "data.train_batch_size=128"]
+    assert not needs_old_log_prob_pass(load_config(["algo=grpo", *one]))
+    assert needs_old_log_prob_pass(load_config(["algo=grpo"]))  # 2 epochs of 2 mini-batches
+    assert needs_old_log_prob_pass(load_config(["algo=grpo", *one[1:]]))  # 2 epochs
+    kl = ["algorithm.use_kl_in_reward=true"]
+    assert needs_old_log_prob_pass(load_config(["algo=grpo", *one, *kl]))

@@ -121,6 +121,7 @@ class ActorRolloutRefWorker(Worker):
                 batch.to(self.device),
                 self.cfg.rollout.temperature,
                 self.cfg.actor.micro_batch_size,
+                self.cfg.actor.micro_batch_tokens,
             )
         return lp.cpu(), ent.cpu()
 

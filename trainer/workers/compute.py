@@ -34,6 +34,8 @@ class PolicyUpdateSettings:
     ppo_epochs: int = 1
     num_mini_batches: int = 1
     micro_batch_size: int = 64
+    """Rows per forward/backward; 0 splits by ``micro_batch_tokens`` instead."""
+    micro_batch_tokens: int = 16384
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float = 3.0
@@ -54,6 +56,8 @@ class ValueUpdateSettings:
     ppo_epochs: int = 1
     num_mini_batches: int = 1
     micro_batch_size: int = 64
+    """Rows per forward/backward; 0 splits by ``micro_batch_tokens`` instead."""
+    micro_batch_tokens: int = 16384
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
@@ -62,6 +66,23 @@ class ValueUpdateSettings:
 
 def _response_len(batch: TensorDict) -> int:
     return batch["response_mask"].shape[1]
+
+
+def micro_batches(batch: TensorDict, rows: int, tokens: int = 0) -> tuple[TensorDict, ...]:
+    """Split ``batch`` for forward/backward passes: ``rows`` rows each, or by a token budget.
+
+    With ``rows == 0`` each micro-batch holds as many rows as fit in ``tokens``
+    tokens of the padded sequence length (at least one): the number of passes
+    follows the work, not a row count tuned for one sequence length (verl's
+    dynamic batch size, without reordering rows).
+    """
+    if rows < 0 or (rows == 0 and tokens < 1):
+        raise ValueError(
+            f"micro-batch of {rows} rows / {tokens} tokens: give rows >= 1 or tokens >= 1"
+        )
+    if rows == 0:
+        rows = max(1, tokens // max(1, batch["input_ids"].shape[1]))
+    return batch.split(rows)
 
 
 def response_logits(model: torch.nn.Module, batch: TensorDict, temperature: float) -> torch.Tensor:
@@ -84,20 +105,28 @@ def response_logits(model: torch.nn.Module, batch: TensorDict, temperature: floa
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] for every position."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log softmax(logits)[token] = logit[token] - logsumexp(logits), for every position.
+
+    Never materialises the (B, R, V) log-softmax: one reduction and one gather.
+    """
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 @torch.no_grad()
 def compute_log_probs(
-    model: torch.nn.Module, batch: TensorDict, temperature: float, micro_batch_size: int
+    model: torch.nn.Module,
+    batch: TensorDict,
+    temperature: float,
+    micro_batch_size: int,
+    micro_batch_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies (B, R) of the batch's responses, no grad."""
     was_training = model.training
     model.eval()
     try:
         lps, ents = [], []
-        for mb in batch.split(micro_batch_size):
+        for mb in micro_batches(batch, micro_batch_size, micro_batch_tokens):
             logits = response_logits(model, mb, temperature)
             lps.append(token_log_probs(logits, mb["responses"]))
             ents.append(algos.entropy_from_logits(logits))
@@ -120,13 +149,18 @@ def critic_token_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Ten
 
 @torch.no_grad()
 def compute_values(
-    critic: torch.nn.Module, batch: TensorDict, micro_batch_size: int
+    critic: torch.nn.Module, batch: TensorDict, micro_batch_size: int, micro_batch_tokens: int = 0
 ) -> torch.Tensor:
     """Values (B, R) of the batch's response positions, no grad."""
     was_training = critic.training
     critic.eval()
     try:
-        return torch.cat([critic_token_values(critic, mb) for mb in batch.split(micro_batch_size)])
+        return torch.cat(
+            [
+                critic_token_values(critic, mb)
+                for mb in micro_batches(batch, micro_batch_size, micro_batch_tokens)
+            ]
+        )
     finally:
         critic.train(was_training)
 
@@ -193,7 +227,20 @@ def update_policy(
     Loss normalisation is global (:func:`trainer.algos.agg_norm` over the whole
     mini-batch on all dp ranks), so the parameters after a step do not depend on
     the micro-batch size or the number of ranks.
+
+    A batch without ``old_log_probs`` is allowed for one on-policy pass (one
+    epoch, one mini-batch): the policy that sampled is the one being updated,
+    so the old log-probs are the current ones, detached, and the driver skips
+    a whole forward pass over the batch. The entropy it would have reported
+    then comes back as ``actor/entropy``.
     """
+    on_policy = "old_log_probs" not in batch.keys()
+    if on_policy and (s.ppo_epochs != 1 or s.num_mini_batches != 1):
+        raise ValueError(
+            "batch has no old_log_probs: that is only valid for one on-policy pass "
+            f"(ppo_epochs=1 and one mini-batch), got ppo_epochs={s.ppo_epochs} and "
+            f"{s.num_mini_batches} mini-batches"
+        )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = defaultdict(list)
@@ -203,12 +250,22 @@ def update_policy(
             optimizer.zero_grad(set_to_none=True)
             # Micro-batch losses are shares of the mini-batch loss: sum them.
             mini_loss = 0.0
-            for micro in mini.split(s.micro_batch_size):
+            for micro in micro_batches(mini, s.micro_batch_size, s.micro_batch_tokens):
                 mask = micro["response_mask"]
                 logits = response_logits(model, micro, s.temperature)
                 log_prob = token_log_probs(logits, micro["responses"])
+                if on_policy:
+                    old_log_prob = log_prob.detach()
+                    if mask.any():  # padding rows carry no tokens
+                        with torch.no_grad():
+                            ent = algos.entropy_from_logits(logits)
+                            acc["actor/entropy"].append(
+                                algos.aggregate(ent, mask, "token-mean").item()
+                            )
+                else:
+                    old_log_prob = micro["old_log_probs"]
                 pg_loss, pg_metrics = algos.policy_loss(
-                    micro["old_log_probs"],
+                    old_log_prob,
                     log_prob,
                     micro["advantages"],
                     mask,
@@ -257,7 +314,7 @@ def update_value(
             norm = algos.agg_norm(mini["response_mask"], s.loss_agg_mode, group=group)
             optimizer.zero_grad(set_to_none=True)
             mini_loss = 0.0
-            for micro in mini.split(s.micro_batch_size):
+            for micro in micro_batches(mini, s.micro_batch_size, s.micro_batch_tokens):
                 values = critic_token_values(critic, micro)
                 vf_loss, vf_metrics = algos.value_loss(
                     values,

@@ -48,7 +48,12 @@ class CriticWorker(Worker):
         """``values`` (B, R) for this rank's rows."""
         gathered = fsdp.gathered_for_inference(self.critic)
         with gathered:
-            v = compute_values(self.critic, batch.to(self.device), self.cfg.critic.micro_batch_size)
+            v = compute_values(
+                self.critic,
+                batch.to(self.device),
+                self.cfg.critic.micro_batch_size,
+                self.cfg.critic.micro_batch_tokens,
+            )
         return TensorDict({"values": v.cpu()}, batch_size=batch.batch_size)
 
     def update_critic(self, batch: TensorDict, step: int) -> dict[str, float]:
