@@ -26,6 +26,9 @@ from trainer.config import Config
 from trainer.data import PromptDataset, PromptLoader
 from trainer.rewards import RewardFn, score
 
+#: Peaks are reported as the largest over data-parallel ranks, not their mean.
+PEAK_ACROSS_RANKS = {"perf/peak_rss_gb": "max", "perf/max_memory_allocated_gb": "max"}
+
 
 def score_responses(
     reward_fn: RewardFn,
@@ -372,7 +375,9 @@ class PPOTrainer:
             m["critic/returns_mean"] = masked_mean(returns, mask)
         if step >= cfg.critic.warmup_steps:
             with _timed(m, "update_actor"):
-                m.update(batch_ops.merge_metrics(self.actor.update_actor(update_batch, step)))
+                per_rank = self.actor.update_actor(update_batch, step)
+                peaks = {k: v for k, v in PEAK_ACROSS_RANKS.items() if k in per_rank[0]}
+                m.update(batch_ops.merge_metrics(per_rank, reduce=peaks))
 
         elapsed = time.perf_counter() - t_start
         n_tokens = int(mask.sum())

@@ -161,3 +161,12 @@ def test_grant_and_cuda_disagreeing_is_a_clear_error():
         resolve_device("cuda", True, None, [])
     with pytest.raises(RuntimeError, match=r"granted this worker GPU\(s\) \['1'\] but torch sees"):
         resolve_device("auto", False, "1", ["1"])
+
+
+def test_peak_memory_is_reported_per_device():
+    from trainer.workers.memory import peak_memory_metrics
+
+    blob = torch.ones(64, 2**20, dtype=torch.uint8)  # 64 MiB touched: the peak is at least this
+    cpu = peak_memory_metrics(torch.device("cpu"))
+    assert set(cpu) == {"perf/peak_rss_gb"} and cpu["perf/peak_rss_gb"] >= 64 / 1024
+    del blob

@@ -27,6 +27,7 @@ from trainer.rollout import build_engine
 from trainer.workers import fsdp
 from trainer.workers.compute import compute_log_probs, update_policy
 from trainer.workers.device import backend_for, worker_device
+from trainer.workers.memory import peak_memory_metrics
 from trainer.workers.settings import policy_settings, sampling_params
 from trainer.workers.setup import build_actor, build_optimizer
 from trainer.workers.state import load_training_state, save_training_state
@@ -146,6 +147,7 @@ class ActorRolloutRefWorker(Worker):
         )
         self.scheduler.step()
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics.update(peak_memory_metrics(self.device))
         self.engine.sync_weights()
         return metrics
 
