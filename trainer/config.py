@@ -145,6 +145,9 @@ class AlgorithmConfig:
 class RewardConfig:
     function: str = ""
     """Dotted path or /path/file.py:function; empty means the task's own rule."""
+    skip_special_tokens: bool = True
+    """Drop special tokens from the response text the reward function reads, as TRL and
+    verl decode; false keeps them (padding or role markers then count as text)."""
     score_unfinished: bool = True
     """Score responses cut at the length limit without EOS with the function too, as TRL
     and verl do; false scores them 0 without calling it (an answer that never stopped)."""

@@ -167,11 +167,19 @@ def resolve_reward_fn(cfg) -> RewardFn:
     return exact_match if cfg.data.train_files else get_task(cfg.data.task).reward
 
 
-def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Response text without its final EOS.
+def decode_responses(
+    tokenizer,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    skip_special_tokens: bool = True,
+) -> list[str]:
+    """Response text without its final EOS: what the reward function reads.
 
-    Other special tokens stay in the text: a policy that "stops" by emitting
-    padding or BOS must not look like one that answered and stopped.
+    By default special tokens are dropped from the text, as TRL and verl
+    decode before scoring (``reward.skip_special_tokens=true``): the reward
+    means the same here as there. With ``skip_special_tokens=False`` they stay
+    in the text, so a policy that pads or emits role markers between digits
+    does not read as clean text.
     """
     eos = tokenizer.eos_token_id
     seqs = []
@@ -180,7 +188,7 @@ def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Te
         if toks and toks[-1] == eos:
             toks = toks[:-1]
         seqs.append(toks)
-    return tokenizer.batch_decode(seqs, skip_special_tokens=False)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens)
 
 
 def build_worker_groups(
@@ -321,7 +329,9 @@ class PPOTrainer:
 
         # 2. rewards from the rule (or user function) on the decoded text
         with _timed(m, "reward"):
-            texts = decode_responses(self.tokenizer, batch["responses"], mask)
+            texts = decode_responses(
+                self.tokenizer, batch["responses"], mask, cfg.reward.skip_special_tokens
+            )
             scores = score_responses(self.reward_fn, texts, gts, extras, self._finished(batch))
             token_rewards = token_level_rewards(scores, mask)
 
@@ -408,7 +418,12 @@ class PPOTrainer:
         out = self.actor.generate_sequences(
             batch_ops.repeat_interleave(prompts, vn), validation=True
         )
-        texts = decode_responses(self.tokenizer, out["responses"], out["response_mask"])
+        texts = decode_responses(
+            self.tokenizer,
+            out["responses"],
+            out["response_mask"],
+            self.cfg.reward.skip_special_tokens,
+        )
         scores = score_responses(
             self.reward_fn,
             texts,

@@ -95,7 +95,9 @@ class ReferenceLoop:
         mask = batch["response_mask"]
         t_gen = time.perf_counter()
 
-        texts = decode_responses(self.tokenizer, batch["responses"], mask)
+        texts = decode_responses(
+            self.tokenizer, batch["responses"], mask, cfg.reward.skip_special_tokens
+        )
         finished = (
             None
             if cfg.reward.score_unfinished
@@ -178,7 +180,9 @@ class ReferenceLoop:
         rep = torch.arange(len(idx)).repeat_interleave(vn)
         params = sampling_params(cfg, self.max_new, validation=True)
         out = self.engine.generate(prompts[rep].to(self.device), params).to("cpu")
-        texts = decode_responses(self.tokenizer, out["responses"], out["response_mask"])
+        texts = decode_responses(
+            self.tokenizer, out["responses"], out["response_mask"], cfg.reward.skip_special_tokens
+        )
         finished = (
             None
             if cfg.reward.score_unfinished

@@ -89,8 +89,9 @@ def test_unfinished_responses_score_zero_and_specials_are_kept():
     eos, pad = tok.eos_token_id, tok.pad_token_id
     responses = torch.tensor([ids("33") + [eos, pad], ids("3333"), ids("3") + [pad, eos, pad]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
-    texts = decode_responses(tok, responses, mask)
-    assert texts == ["33", "3333", "3<pad>"]  # a pad "answer" is not a clean stop
+    assert decode_responses(tok, responses, mask) == ["33", "3333", "3"]  # as TRL and verl read
+    texts = decode_responses(tok, responses, mask, skip_special_tokens=False)
+    assert texts == ["33", "3333", "3<pad>"]  # the strict reading: a pad is not a clean stop
     done = finished_mask(responses, mask, eos)
     assert done.tolist() == [True, False, True]
     scores = score_responses(char_match, texts, ["33", "3333", "3"], [{}, {}, {}], done)
