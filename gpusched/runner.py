@@ -24,6 +24,7 @@ from typing import Protocol, TypeVar
 
 from gpusched.childenv import PortPool, card_env, child_env
 from gpusched.collect import plugin_args
+from gpusched.forkclient import ForkedProcess, ForkServer, ServerGone
 from gpusched.proctree import KillReport, kill_job
 from gpusched.results import FAILING, FileResult, Outcome, TestResult, judge
 from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
@@ -94,7 +95,7 @@ Event = Started | Finished | Interrupt | Ready | Tick
 class _Child:
     """One attempt's pytest process and what must be cleaned up after it."""
 
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     tag: str
     stream: Path
     log_path: Path
@@ -167,6 +168,7 @@ class Runner:
         reporter: Reporter,
         releaser: CardReleaser | None = None,
         clock: Callable[[], float] = time.monotonic,
+        forkserver: ForkServer | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -188,9 +190,13 @@ class Runner:
         self.starting: set[int] = set()  # jobs whose child has not reached its gate yet
         self._cores = os.cpu_count() or 1
         self._tick_pending = False
+        self.forkserver = forkserver
+        self.forkserver_lost: str | None = None  # why files went back to fresh processes mid-run
         self._prestart = config.prestart
         if any("no:gpusched" in arg for arg in config.pytest_args):
             self._prestart = 0  # the gate lives in the plugin
+        if forkserver is not None:
+            self._prestart = 0  # a forked child starts in milliseconds: nothing to hide
 
     async def run(self, jobs: Sequence[Job]) -> RunReport:
         self.policy.submit(jobs)
@@ -203,6 +209,9 @@ class Runner:
             except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
                 pass
         beat = asyncio.create_task(self._beat()) if self.config.heartbeat else None
+        attached = self.forkserver
+        if attached is not None:
+            attached.attach()
         try:
             await self._loop()
         except (asyncio.CancelledError, KeyboardInterrupt):
@@ -217,6 +226,8 @@ class Runner:
             if beat is not None:
                 beat.cancel()
             await _finish_anyway(self._cool_down())
+            if attached is not None:
+                attached.detach()
             for signum in installed:
                 loop.remove_signal_handler(signum)
         for job in self.policy.cancel_pending():
@@ -404,15 +415,19 @@ class Runner:
             master_port=self.ports.take(),
             tag=tag,
         )
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            job.path,
-            *plugin_args(),
-            f"--gpusched-results={stream}",
-            *config.pytest_args,
-        ]
+        args = [job.path, *plugin_args(), f"--gpusched-results={stream}", *config.pytest_args]
+        if self.forkserver is not None and cards is not None:
+            try:
+                forked = await self.forkserver.start(args, env, log_path, tag)
+            except ServerGone as exc:
+                self.forkserver_lost = str(exc)
+                self.forkserver = None  # this file and the next ones start fresh processes
+            except BaseException:
+                shutil.rmtree(ray_tmpdir, ignore_errors=True)
+                raise
+            else:
+                return _Child(forked, tag, stream, log_path, ray_tmpdir)
+        command = [sys.executable, "-m", "pytest", *args]
         gate = Gate() if self._prestart else None
         if gate is not None and cards is None:
             env = prestart_env(env, card_env(()), gate.child_fd)

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 from gpusched.atomic import atomic_write
 from gpusched.childenv import local_tmp_root, read_mounts
 from gpusched.collect import CollectedFile, Collection, CollectionFailed, collect
+from gpusched.forkclient import ForkServer, ServerSpec, start_server
 from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
@@ -32,6 +33,7 @@ from gpusched.history import (
 )
 from gpusched.inventory import Card, InventoryError, discover, parse_simulate_spec
 from gpusched.options import UsageError
+from gpusched.preload import auto_preload, fork_unavailable, guess_rootdir
 from gpusched.release import release_check
 from gpusched.report import (
     ConsoleReporter,
@@ -88,8 +90,16 @@ def runnable_requirement(entry: CollectedFile, cards: Sequence[Card]) -> Require
     )
 
 
-def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequence[str]) -> Prepared:
-    """Inventory, collection and jobs; raises UsageError or CollectionFailed."""
+def prepare(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    server: ForkServer | None = None,
+) -> Prepared:
+    """Inventory, collection (in a child of ``server`` if given) and jobs.
+
+    Raises UsageError or CollectionFailed.
+    """
     check_paths(paths)
     try:
         simulated = (
@@ -99,7 +109,7 @@ def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequenc
     except InventoryError as exc:
         raise UsageError(str(exc)) from None
     selection = selection_args(settings)
-    collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"])
+    collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"], server)
     history, warning = load_history(STATE_DIR / HISTORY_FILE)
     keys = [history_key(entry.path, collection.rootdir) for entry in collection.files]
     expected = expected_durations(history, keys)
@@ -153,6 +163,49 @@ def exit_code(results: Sequence[FileResult], interrupted: bool) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def fork_server(
+    paths: Sequence[str], settings: dict[str, Any], run_id: str, reporter: ConsoleReporter
+) -> Iterator[ForkServer | None]:
+    """The run's fork server, or None (``--fork-server off``, or unsafe: said once, here).
+
+    Closed, with anything left of it, when the block ends.
+    """
+    if not settings.get("fork_server", True):
+        yield None
+        return
+    fresh = "; every file starts a fresh python -m pytest"
+    why = fork_unavailable()
+    if why:
+        reporter.say(f"gpusched: fork server off: {why}{fresh}")
+        yield None
+        return
+    rootdir = guess_rootdir(paths, Path.cwd())
+    log_dir = STATE_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    preload = tuple(settings.get("preload", ()))
+    startup = start_server(
+        ServerSpec(
+            preload,
+            tuple(name for name in auto_preload(paths, rootdir) if name not in preload),
+            os.environ,
+            log_dir / "forkserver.log",
+            run_id,
+            settings["collect_timeout"],
+        )
+    )
+    for note in startup.notes:
+        reporter.say(f"gpusched: {note}")
+    if startup.server is None:
+        reporter.say(f"gpusched: fork server off for this run: {startup.reason}{fresh}")
+        yield None
+        return
+    try:
+        yield startup.server
+    finally:
+        startup.server.close()
+
+
 def run(
     paths: Sequence[str],
     settings: dict[str, Any],
@@ -166,8 +219,25 @@ def run(
 
         if importlib.util.find_spec("pytest_timeout") is None:
             raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
+    run_id = uuid.uuid4().hex[:10]
     try:
-        prepared = prepare(paths, settings, pytest_args)
+        with fork_server(paths, settings, run_id, reporter) as server:
+            return _run(paths, settings, pytest_args, reporter, server, run_id)
+    except KeyboardInterrupt:
+        reporter.say("gpusched: interrupted during collection")
+        return _finish([], True, [], settings, reporter)
+
+
+def _run(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter,
+    server: ForkServer | None,
+    run_id: str,
+) -> int:
+    try:
+        prepared = prepare(paths, settings, pytest_args, server)
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted during collection")
         return _finish([], True, [], settings, reporter)
@@ -212,7 +282,7 @@ def run(
         log_dir=log_dir,
         work_dir=work_dir,
         tmp_root=tmp_root,
-        run_id=uuid.uuid4().hex[:10],
+        run_id=run_id,
         reruns=settings["reruns"],
         exitfirst=settings["exitfirst"],
         rootdir=prepared.collection.rootdir,
@@ -234,9 +304,18 @@ def run(
             ) as releaser,
         ):
             runner = Runner(
-                config, Packer(cards, settings["cpu_slots"]), tests, live or reporter, releaser
+                config,
+                Packer(cards, settings["cpu_slots"]),
+                tests,
+                live or reporter,
+                releaser,
+                forkserver=server,
             )
             report = asyncio.run(runner.run(prepared.jobs))
+        if runner.forkserver_lost:
+            reporter.say(
+                f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"
+            )
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     warning = record_durations(
