@@ -325,6 +325,9 @@ def serve(sock: socket.socket, placeholder: str) -> None:
 def main(argv: Sequence[str]) -> int:
     """``python forkserver.py FD CONFIG_JSON``."""
     fd, config = int(argv[0]), json.loads(argv[1])
+    # As under ``python -m pytest``: the working directory first on sys.path, not this
+    # script's directory (whose modules would shadow a suite's ``plugin`` or ``runner``).
+    sys.path[0] = os.getcwd()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles Ctrl-C for everyone
     sock = socket.socket(fileno=fd)
     hello = prepare(config["preload"], config["auto"])
