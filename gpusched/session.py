@@ -339,9 +339,12 @@ def live_reporter(
 ) -> Any:
     """A live view (``gpusched.live``) when ``reporter`` writes to an interactive terminal
     outside CI, else None (the plain reporter goes on)."""
+    isatty = getattr(reporter.out, "isatty", None)
+    if type(reporter) is not ConsoleReporter or not (isatty and isatty()):
+        return None  # decided before importing rich (0.2 s of every run's start-up)
     from gpusched.live import LiveReporter, wants_live
 
-    if type(reporter) is not ConsoleReporter or not wants_live(reporter.out, os.environ):
+    if not wants_live(reporter.out, os.environ):
         return None
     from rich.console import Console
 
