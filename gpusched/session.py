@@ -14,14 +14,15 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpusched.atomic import atomic_write
-from gpusched.childenv import local_tmp_root, read_mounts
+from gpusched.childenv import PortPool, local_tmp_root, read_mounts
 from gpusched.collect import CollectedFile, Collection, CollectionFailed, collect
+from gpusched.earlystart import early_picks
 from gpusched.forkclient import ForkServer, ServerSpec, start_server
 from gpusched.history import (
     HISTORY_FILE,
@@ -47,7 +48,7 @@ from gpusched.report import (
 )
 from gpusched.requirements import Requirement, format_memory
 from gpusched.results import FileResult, Outcome, TestResult
-from gpusched.runner import RunConfig, Runner
+from gpusched.runner import Child, RunConfig, Runner, start_early, stop_early
 from gpusched.scheduler import Job, largest_fitting, simulate
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
@@ -95,8 +96,11 @@ def prepare(
     settings: dict[str, Any],
     pytest_args: Sequence[str],
     server: ForkServer | None = None,
+    on_inventory: Callable[[list[Card]], None] | None = None,
 ) -> Prepared:
     """Inventory, collection (in a child of ``server`` if given) and jobs.
+
+    ``on_inventory`` hears the cards before collection starts (early starts).
 
     Raises UsageError or CollectionFailed.
     """
@@ -108,6 +112,8 @@ def prepare(
         cards = discover(simulated, settings["gpus"])
     except InventoryError as exc:
         raise UsageError(str(exc)) from None
+    if on_inventory is not None:
+        on_inventory(cards)
     selection = selection_args(settings)
     collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"], server)
     history, warning = load_history(STATE_DIR / HISTORY_FILE)
@@ -236,8 +242,66 @@ def _run(
     server: ForkServer | None,
     run_id: str,
 ) -> int:
+    t0 = time.monotonic()
+    tmp_root, tmp_warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
+    log_dir = STATE_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="gpusched-run-"))
+    config = RunConfig(
+        pytest_args=child_args(paths, settings, pytest_args),
+        timeout=settings["timeout"],
+        kill_grace=settings["kill_grace"],
+        simulated=bool(settings["simulate_gpus"]),
+        log_dir=log_dir,
+        work_dir=work_dir,
+        tmp_root=tmp_root,
+        run_id=run_id,
+        reruns=settings["reruns"],
+        exitfirst=settings["exitfirst"],
+        rootdir=str(guess_rootdir(paths, Path.cwd())),
+        heartbeat=settings["heartbeat"],
+        prestart=settings["prestart"],
+    )
+    early: dict[str, Child] = {}
+
+    def start_early_files(cards: list[Card]) -> None:
+        """No card to wait for: the longest known files start now, beside collection."""
+        if server is None or cards:
+            return
+        history, _ = load_history(STATE_DIR / HISTORY_FILE)
+        rootdir = Path(config.rootdir)
+        ports = PortPool()
+        for n, path in enumerate(early_picks(history, rootdir, paths, settings["cpu_slots"])):
+            child = start_early(server, config, ports, path, f"e{n}-1")
+            if child is not None:
+                early[path] = child
+
     try:
-        prepared = prepare(paths, settings, pytest_args, server)
+        return _run_prepared(
+            paths, settings, pytest_args, reporter, server, config, early, start_early_files,
+            tmp_warning, t0,
+        )  # fmt: skip
+    finally:
+        for child in early.values():
+            if server is not None:
+                stop_early(child, server)
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _run_prepared(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter,
+    server: ForkServer | None,
+    config: RunConfig,
+    early: dict[str, Any],
+    on_inventory: Callable[[list[Card]], None],
+    tmp_warning: str | None,
+    t0: float,
+) -> int:
+    try:
+        prepared = prepare(paths, settings, pytest_args, server, on_inventory)
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted during collection")
         return _finish([], True, [], settings, reporter)
@@ -251,6 +315,8 @@ def _run(
     results = collection_results(prepared.collection)
     for result in results:
         reporter.finished(result)
+    collected = {entry.path for entry in prepared.collection.files}
+    adopted = {path: early.pop(path) for path in list(early) if path in collected}
     if not prepared.jobs:
         if not results:
             reporter.say("gpusched: no tests collected")
@@ -264,60 +330,41 @@ def _run(
             else "no GPUs"
         )
         + f" and {settings['cpu_slots']} CPU slots"
+        + (f" ({len(adopted)} started during collection)" if adopted else "")
     )
-    tmp_root, warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
-    if warning:
-        reporter.say(f"gpusched: warning: {warning}")
-    log_dir = STATE_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(tempfile.mkdtemp(prefix="gpusched-run-"))
+    if tmp_warning:
+        reporter.say(f"gpusched: warning: {tmp_warning}")
     from gpusched.scheduler import Packer
 
     tests = {entry.path: entry.tests for entry in prepared.collection.files}
-    config = RunConfig(
-        pytest_args=child_args(paths, settings, pytest_args),
-        timeout=settings["timeout"],
-        kill_grace=settings["kill_grace"],
-        simulated=bool(settings["simulate_gpus"]),
-        log_dir=log_dir,
-        work_dir=work_dir,
-        tmp_root=tmp_root,
-        run_id=run_id,
-        reruns=settings["reruns"],
-        exitfirst=settings["exitfirst"],
-        rootdir=prepared.collection.rootdir,
-        heartbeat=settings["heartbeat"],
-        prestart=settings["prestart"],
-    )
+    config = dataclasses.replace(config, rootdir=prepared.collection.rootdir)
     live = live_reporter(reporter, cards, settings["cpu_slots"], len(prepared.jobs))
     if live is not None:
         config = dataclasses.replace(config, heartbeat=None)  # the live table shows elapsed times
     real_cards = bool(cards) and not settings["simulate_gpus"]
-    try:
-        with (
-            live or contextlib.nullcontext(),
-            release_check(
-                real_cards,
-                settings["gpu_release_timeout"],
-                settings["gpu_release_memory"],
-                warn=(live or reporter).say,
-            ) as releaser,
-        ):
-            runner = Runner(
-                config,
-                Packer(cards, settings["cpu_slots"]),
-                tests,
-                live or reporter,
-                releaser,
-                forkserver=server,
-            )
-            report = asyncio.run(runner.run(prepared.jobs))
-        if runner.forkserver_lost:
-            reporter.say(
-                f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"
-            )
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+    with (
+        live or contextlib.nullcontext(),
+        release_check(
+            real_cards,
+            settings["gpu_release_timeout"],
+            settings["gpu_release_memory"],
+            warn=(live or reporter).say,
+        ) as releaser,
+    ):
+        runner = Runner(
+            config,
+            Packer(cards, settings["cpu_slots"]),
+            tests,
+            live or reporter,
+            releaser,
+            forkserver=server,
+            t0=t0 if adopted else None,
+        )
+        report = asyncio.run(runner.run(prepared.jobs, adopted))
+    if runner.forkserver_lost:
+        reporter.say(
+            f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"
+        )
     warning = record_durations(
         STATE_DIR / HISTORY_FILE, observations(report.results, prepared.collection.rootdir)
     )

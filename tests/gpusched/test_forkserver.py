@@ -16,7 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpusched.earlystart import early_picks
 from gpusched.forkserver import PAD_VARIABLE, retag_environ_block
+from gpusched.history import Entry
 from gpusched.options import UsageError, resolve
 from gpusched.preload import (
     auto_preload,
@@ -319,3 +321,63 @@ def test_the_server_and_its_children_are_gone_after_a_run(make_suite, run_gpusch
             left.append(" ".join(info["cmdline"] or []))
     assert left == [], left
     assert os.path.exists(tmp_path / ".gpusched" / "logs" / "forkserver.log")
+
+
+# ---------------------------------------------------------------- early starts
+
+SLOW = "import time\n\ndef test_slow():\n    time.sleep(1.0)\n"
+FAST = "def test_fast():\n    pass\n"
+
+
+def test_the_longest_known_file_starts_during_collection_and_is_adopted(
+    make_suite, run_gpusched, tmp_path
+):
+    make_suite({"test_slow.py": SLOW, "test_fast.py": FAST})
+    first = run_gpusched("run", ".")
+    assert first.returncode == 0 and "started during collection" not in first.stdout
+    second = run_gpusched("run", ".", "--json", "r.json")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "2 files on no GPUs and 2 CPU slots (1 started during collection)" in second.stdout
+    files = {Path(f["path"]).name: f for f in _report(tmp_path / "r.json")["files"]}
+    assert files["test_slow.py"]["outcome"] == "PASSED"
+    assert [t["outcome"] for t in files["test_slow.py"]["tests"]] == ["passed"]
+    assert files["test_slow.py"]["start"] < files["test_fast.py"]["start"]
+    assert second.stdout.strip().splitlines()[-1] == "gpusched: 2 passed, 0 failed, 0 skipped"
+
+
+def test_an_early_file_that_collection_deselects_is_killed_and_not_reported(
+    make_suite, run_gpusched, tmp_path
+):
+    make_suite({"test_slow.py": SLOW.replace("1.0", "60"), "test_fast.py": FAST})
+    (tmp_path / ".gpusched").mkdir()
+    (tmp_path / ".gpusched" / "durations.json").write_text(
+        json.dumps(
+            {"version": 1, "files": {"test_slow.py": {"seconds": 60, "last": 60, "runs": 1}}}
+        )
+    )
+    started = time.monotonic()
+    result = run_gpusched("run", ".", "-k", "fast", "--json", "r.json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert time.monotonic() - started < 30  # the 60 s file did not hold the run
+    names = [Path(f["path"]).name for f in _report(tmp_path / "r.json")["files"]]
+    assert names == ["test_fast.py"]
+    assert not (tmp_path / ".gpusched" / "logs" / "test_slow.py.log").exists()
+
+
+def test_early_picks_are_the_longest_known_files_under_the_paths(tmp_path):
+    history = {
+        "tests/a.py": Entry(9.0, 9.0, 1),
+        "tests/b.py": Entry(5.0, 5.0, 1),
+        "other/c.py": Entry(20.0, 20.0, 1),
+        "tests/tiny.py": Entry(0.1, 0.1, 1),
+        "tests/gone.py": Entry(30.0, 30.0, 1),
+    }
+    exists = lambda path: path.name != "gone.py"  # noqa: E731
+    tests = str(tmp_path / "tests")
+    assert early_picks(history, tmp_path, [tests], 3, exists) == [
+        str(tmp_path / "tests" / "a.py"),
+        str(tmp_path / "tests" / "b.py"),
+    ]
+    assert early_picks(history, tmp_path, [tests], 2, exists) == [str(tmp_path / "tests/a.py")]
+    assert early_picks(history, tmp_path, [tests], 1, exists) == []
+    assert early_picks(history, tmp_path, [tests + "/a.py::test_x"], 4, exists) == []
