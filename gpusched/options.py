@@ -174,7 +174,8 @@ OPTIONS: tuple[Option, ...] = (
         4,
         "start up to N GPU files' pytest processes before their cards are free, so "
         "interpreter start-up and plugin imports overlap the files still running "
-        "(no conftest or test module loads before the cards are assigned); 0: off",
+        "(no conftest or test module loads before the cards are assigned); only when "
+        "files start as fresh processes (--fork-server off or its fallback); 0: off",
         "N",
     ),
     Option(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -381,3 +383,34 @@ def test_early_picks_are_the_longest_known_files_under_the_paths(tmp_path):
     assert early_picks(history, tmp_path, [tests], 2, exists) == [str(tmp_path / "tests/a.py")]
     assert early_picks(history, tmp_path, [tests], 1, exists) == []
     assert early_picks(history, tmp_path, [tests + "/a.py::test_x"], 4, exists) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_dies_mid_run_leaves_later_files_to_fresh_processes(make_suite, tmp_path):
+    sleeper = "import time\n\ndef test_sleep():\n    time.sleep(1.5)\n"
+    make_suite({f"test_{i}.py": sleeper for i in range(3)})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpusched", "run", ".", "--cpu-slots", "1", "--json", "r.json"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        server = None
+        deadline = time.monotonic() + 60
+        while server is None and time.monotonic() < deadline:
+            for child in psutil.Process(proc.pid).children():
+                if any("forkserver.py" in part for part in child.cmdline()):
+                    if (tmp_path / ".gpusched" / "logs" / "test_0.py.log").exists():
+                        server = child  # collection is over and the first file runs
+            time.sleep(0.05)
+        assert server is not None, "no fork server with a child appeared"
+        server.kill()
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "later files started fresh processes" in out or "fork server exited" in out, out
+    files = _report(tmp_path / "r.json")["files"]
+    assert len(files) == 3
+    outcomes = sorted(f["outcome"] for f in files)
+    assert outcomes.count("PASSED") >= 2, out  # the files after the server's death
