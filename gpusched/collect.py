@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpusched.forkclient import SERVER_DIED, ServerGone
 from gpusched.proctree import TAG_VARIABLE, kill_job
 from gpusched.requirements import Requirement
 
@@ -150,7 +151,10 @@ def collect(
         *paths,
     ]
     if server is not None:
-        return _collect_forked(server, args, env, tag, report_path, timeout)
+        try:
+            return _collect_forked(server, args, env, tag, report_path, timeout)
+        except ServerGone:
+            pass  # the server died: collect in a fresh process (the runner falls back too)
     command = [sys.executable, "-m", "pytest", *args]
     proc = subprocess.Popen(
         command,
@@ -195,6 +199,9 @@ def _collect_forked(
             kill_job(pid, pid, tag, grace=1.0)
             server.wait(pid, 5.0)
             raise _timed_out(timeout)
+        if code == SERVER_DIED:
+            kill_job(None, pid, tag, grace=1.0)
+            raise ServerGone("the fork server exited during collection")
         output = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
         return _read_report(report_path, code, output)
     finally:

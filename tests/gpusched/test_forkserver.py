@@ -385,10 +385,8 @@ def test_early_picks_are_the_longest_known_files_under_the_paths(tmp_path):
     assert early_picks(history, tmp_path, [tests + "/a.py::test_x"], 4, exists) == []
 
 
-@pytest.mark.timeout(120)
-def test_a_server_that_dies_mid_run_leaves_later_files_to_fresh_processes(make_suite, tmp_path):
-    sleeper = "import time\n\ndef test_sleep():\n    time.sleep(1.5)\n"
-    make_suite({f"test_{i}.py": sleeper for i in range(3)})
+def _run_killing_the_server(tmp_path: Path, when) -> tuple[str, list[dict]]:
+    """``gpusched run`` on the suite in ``tmp_path``; its fork server is killed once ``when(server)``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE"))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpusched", "run", ".", "--cpu-slots", "1", "--json", "r.json"],
@@ -399,18 +397,39 @@ def test_a_server_that_dies_mid_run_leaves_later_files_to_fresh_processes(make_s
         deadline = time.monotonic() + 60
         while server is None and time.monotonic() < deadline:
             for child in psutil.Process(proc.pid).children():
-                if any("forkserver.py" in part for part in child.cmdline()):
-                    if (tmp_path / ".gpusched" / "logs" / "test_0.py.log").exists():
-                        server = child  # collection is over and the first file runs
-            time.sleep(0.05)
-        assert server is not None, "no fork server with a child appeared"
+                if any("forkserver.py" in part for part in child.cmdline()) and when(child):
+                    server = child
+            time.sleep(0.02)
+        assert server is not None, "the fork server never reached the moment to kill it"
         server.kill()
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "later files started fresh processes" in out or "fork server exited" in out, out
-    files = _report(tmp_path / "r.json")["files"]
+    return out, _report(tmp_path / "r.json")["files"]
+
+
+SLEEPER = "import time\n\ndef test_sleep():\n    time.sleep(1.5)\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_dies_mid_run_leaves_later_files_to_fresh_processes(make_suite, tmp_path):
+    make_suite({f"test_{i}.py": SLEEPER for i in range(3)})
+    first_file_runs = (tmp_path / ".gpusched" / "logs" / "test_0.py.log").exists
+    out, files = _run_killing_the_server(tmp_path, lambda server: first_file_runs())
+    assert "fork server exited" in out and "later files started fresh processes" in out, out
     assert len(files) == 3
-    outcomes = sorted(f["outcome"] for f in files)
-    assert outcomes.count("PASSED") >= 2, out  # the files after the server's death
+    assert [f["outcome"] for f in files].count("PASSED") >= 2, out  # those after its death
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_dies_during_collection_leaves_it_to_a_fresh_process(make_suite, tmp_path):
+    make_suite(
+        {
+            "conftest.py": "import time\ntime.sleep(2)\n",  # a slow collection to die in
+            **{f"test_{i}.py": SLEEPER.replace("1.5", "0") for i in range(2)},
+        }
+    )
+    out, files = _run_killing_the_server(tmp_path, lambda server: bool(server.children()))
+    assert [f["outcome"] for f in files] == ["PASSED", "PASSED"], out
+    assert "later files started fresh processes" in out, out
