@@ -9,8 +9,9 @@ needs 0, 1, 2, 4 or 8 GPUs and sleeps 1 to 8 s), then, in one run:
    (run 1), which writes ``.gpusched/durations.json``;
 3. ``gpusched plan`` and ``gpusched run`` again (run 2), now packing by the
    durations run 1 measured;
-4. ``gpusched run --prestart 0`` (run 3): run 2 without warm starts, so what
-   starting GPU files ahead of their cards buys is measured side by side;
+4. ``gpusched run --fork-server off`` (run 3): run 2 with a fresh ``python -m
+   pytest`` per file and warm starts (the behaviour before the fork server),
+   so what the fork server buys is measured side by side;
 5. runs the same files one after another (one pytest subprocess each) and sums
    their measured wall times: the sequential time.
 
@@ -22,9 +23,10 @@ The lower bound printed (every term is a schedule-independent bound):
               sum_cpu(d_i) / cpu_slots )                   CPU files share the CPU slots
 
 with ``d_i`` the file's sleep; ``LB'`` is the same bound with every ``d_i``
-replaced by ``d_i + c``. Warm starts (``--prestart``, on by default) overlap
-most of ``c`` of GPU files with other files' run time, so runs 1 and 2 can
-come below ``LB'``; run 3 shows the schedule held to the cold-start floor. Makespan is the span of the runner (first start to
+replaced by ``d_i + c``. The fork server (on by default) starts a file in
+about a tenth of ``c`` (printed as "forked c", with the bound it gives), so
+runs 1 and 2 can come below ``LB'``; run 3 uses fresh processes, where warm
+starts overlap ``c`` of GPU files. Makespan is the span of the runner (first start to
 last end, from ``--json``); the command's wall time including collection is
 printed too. Targets: makespan/LB' <= 1.10 without history, <= 1.05 with it,
 >= 3x faster than one after another, plan's prediction within 15% of the
@@ -169,6 +171,25 @@ def simulated_makespan(files: list[SyntheticFile], extra: float, cpu_slots: int)
     return max(run.end for run in runs)
 
 
+def forked_file(path: Path, times: int = 5) -> float:
+    """Median seconds of ``pytest.main`` on ``path`` forked from a warm fork server."""
+    from gpusched.forkclient import ServerSpec, start_server
+
+    spec = ServerSpec((), (), os.environ, Path(os.devnull), "bench", 120.0)
+    server = start_server(spec).server
+    assert server is not None, "the fork server did not start"
+    took = []
+    try:
+        for _ in range(times):
+            start = time.perf_counter()
+            pid = server.spawn([str(path), "-q"], dict(os.environ), Path(os.devnull), "bench-c")
+            server.wait(pid, None)
+            took.append(time.perf_counter() - start)
+    finally:
+        server.close()
+    return statistics.median(took)
+
+
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -197,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         empty.parent.mkdir()
         empty.write_text("def test_empty():\n    pass\n", encoding="utf-8")
         overhead = statistics.median(pytest_file(empty, empty.parent) for _ in range(5))
+        forked = forked_file(empty)
         shutil.rmtree(empty.parent)
 
         plan1 = predicted_makespan(gpusched(root, "plan")[1].stdout)
@@ -205,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         plan2 = predicted_makespan(gpusched(root, "plan")[1].stdout)
         wall2, _ = gpusched(root, "run", "--json", "run2.json", "--timeline", "run2.html")
         run2 = measured_makespan(root / "run2.json")
-        wall3, _ = gpusched(root, "run", "--json", "run3.json", "--prestart", "0")
+        wall3, _ = gpusched(root, "run", "--json", "run3.json", "--fork-server", "off")
         run3 = measured_makespan(root / "run3.json")
         if args.timeline:
             args.timeline.parent.mkdir(parents=True, exist_ok=True)
@@ -221,13 +243,21 @@ def main(argv: list[str] | None = None) -> int:
         lbm2 = max(lower_bound(as_measured(files, root / "run2.json"), 0.0, cpu_slots).values())
         lbm3 = max(lower_bound(as_measured(files, root / "run3.json"), 0.0, cpu_slots).values())
         ideal = simulated_makespan(files, overhead, cpu_slots)
-        print(f"bench: c = {overhead:.2f} s (empty-file pytest subprocess, median of 5)")
+        print(f"bench: c = {overhead:.2f} s (empty-file pytest subprocess, median of 5); "
+              f"forked from a warm fork server: {forked:.3f} s")  # fmt: skip
+        lbf = max(lower_bound(files, forked, cpu_slots).values())
         print("bench: LB' terms: " + ", ".join(f"{k} {v:.1f}" for k, v in lbp_terms.items()))
         rows = [
             ("makespan (s)", f"{run1:.1f}", f"{run2:.1f}", f"{run3:.1f}"),
             ("LB (s)", f"{lb:.1f}", f"{lb:.1f}", f"{lb:.1f}"),
             ("LB' (s)", f"{lbp:.1f}", f"{lbp:.1f}", f"{lbp:.1f}"),
             ("makespan / LB'", f"{run1 / lbp:.3f}", f"{run2 / lbp:.3f}", f"{run3 / lbp:.3f}"),
+            (
+                "makespan / LB with forked c",
+                f"{run1 / lbf:.3f}",
+                f"{run2 / lbf:.3f}",
+                f"{run3 / lbf:.3f}",
+            ),
             ("LB on measured file times (s)", f"{lbm1:.1f}", f"{lbm2:.1f}", f"{lbm3:.1f}"),
             (
                 "makespan / that bound",
@@ -249,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
             ("wall with collection (s)", f"{wall1:.1f}", f"{wall2:.1f}", f"{wall3:.1f}"),
         ]
         width = max(len(row[0]) for row in rows)
-        heads = ("run 1 (no history)", "run 2 (history)", "run 3 (--prestart 0)")
+        heads = ("run 1 (no history)", "run 2 (history)", "run 3 (--fork-server off)")
         print(f"{'':<{width}}  {heads[0]:>19}  {heads[1]:>16}  {heads[2]:>20}")
         for name, first, second, third in rows:
             print(f"{name:<{width}}  {first:>19}  {second:>16}  {third:>20}")
-        print(f"bench: warm starts: run 3 / run 2 makespan {run3 / run2:.3f}")
+        print(f"bench: fork server: run 3 (fresh processes, warm starts) / run 2 makespan "
+              f"{run3 / run2:.3f}")  # fmt: skip
         print(f"bench: load average at the end {load()}")
         checks = [
             (run1 / lbp <= 1.10, f"run 1 makespan/LB' {run1 / lbp:.3f} <= 1.10"),

@@ -7,6 +7,7 @@ runs in its own process group and is killed as a tree if it hangs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,9 +17,15 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from gpusched.forkclient import SERVER_DIED, ServerGone
 from gpusched.proctree import TAG_VARIABLE, kill_job
 from gpusched.requirements import Requirement
+
+if TYPE_CHECKING:
+    from gpusched.forkclient import ForkServer
 
 
 class CollectionFailed(RuntimeError):
@@ -64,8 +71,13 @@ def plugin_args() -> list[str]:
     """
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return ["-p", "gpusched.plugin"]
-    registered = any(ep.value == "gpusched.plugin" for ep in entry_points(group="pytest11"))
-    return [] if registered else ["-p", "gpusched.plugin"]
+    return [] if _entry_point_registered() else ["-p", "gpusched.plugin"]
+
+
+@functools.cache
+def _entry_point_registered() -> bool:
+    """Whether the ``pytest11`` entry point names the plugin (scanning them costs ~10 ms: once)."""
+    return any(ep.value == "gpusched.plugin" for ep in entry_points(group="pytest11"))
 
 
 def parse_report(payload: dict) -> Collection:
@@ -87,18 +99,50 @@ def parse_report(payload: dict) -> Collection:
     return collection
 
 
-def collect(paths: Sequence[str], pytest_args: Sequence[str], timeout: float) -> Collection:
-    """Run the collection subprocess and return what it found."""
+def _timed_out(timeout: float) -> CollectionFailed:
+    return CollectionFailed(
+        f"collection timed out after {timeout:g}s (--collect-timeout); "
+        "a conftest or test module probably hangs at import",
+        exit_code=3,
+    )
+
+
+def _read_report(report_path: str, returncode: int, output: str) -> Collection:
+    if returncode == 4:
+        raise CollectionFailed(f"pytest rejected the arguments:\n{output.strip()}", exit_code=4)
+    try:
+        with open(report_path, encoding="utf-8") as handle:
+            payload = json.load(handle)
+    except FileNotFoundError:
+        raise CollectionFailed(
+            f"collection failed (pytest exit code {returncode}):\n{output[-4000:].strip()}",
+            exit_code=3,
+        ) from None
+    return parse_report(payload)
+
+
+def _remove(*paths: str) -> None:
+    for leftover in paths:
+        try:
+            os.unlink(leftover)
+        except FileNotFoundError:
+            pass
+
+
+def collect(
+    paths: Sequence[str],
+    pytest_args: Sequence[str],
+    timeout: float,
+    server: ForkServer | None = None,
+) -> Collection:
+    """Run the collection (a child of the fork server, else a subprocess); what it found."""
     fd, report_path = tempfile.mkstemp(prefix="gpusched-collect-", suffix=".json")
     os.close(fd)
     os.unlink(report_path)  # the plugin writes it atomically; absence means it never finished
     tag = f"collect-{uuid.uuid4().hex[:12]}"
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env[TAG_VARIABLE] = tag
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
+    args = [
         "--collect-only",
         "-q",
         *plugin_args(),
@@ -106,6 +150,12 @@ def collect(paths: Sequence[str], pytest_args: Sequence[str], timeout: float) ->
         *pytest_args,
         *paths,
     ]
+    if server is not None:
+        try:
+            return _collect_forked(server, args, env, tag, report_path, timeout)
+        except ServerGone:
+            pass  # the server died: collect in a fresh process (the runner falls back too)
+    command = [sys.executable, "-m", "pytest", *args]
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -121,28 +171,40 @@ def collect(paths: Sequence[str], pytest_args: Sequence[str], timeout: float) ->
         except subprocess.TimeoutExpired:
             kill_job(proc.pid, proc.pid, tag, grace=1.0)
             proc.communicate()
-            raise CollectionFailed(
-                f"collection timed out after {timeout:g}s (--collect-timeout); "
-                "a conftest or test module probably hangs at import",
-                exit_code=3,
-            ) from None
-        if proc.returncode == 4:
-            raise CollectionFailed(f"pytest rejected the arguments:\n{output.strip()}", exit_code=4)
-        try:
-            with open(report_path, encoding="utf-8") as handle:
-                payload = json.load(handle)
-        except FileNotFoundError:
-            raise CollectionFailed(
-                f"collection failed (pytest exit code {proc.returncode}):\n{output[-4000:].strip()}",
-                exit_code=3,
-            ) from None
-        return parse_report(payload)
+            raise _timed_out(timeout) from None
+        return _read_report(report_path, proc.returncode, output)
     finally:
         if proc.poll() is None:  # KeyboardInterrupt while waiting
             kill_job(proc.pid, proc.pid, tag, grace=1.0)
             proc.wait()
-        for leftover in (report_path, report_path + ".part"):
-            try:
-                os.unlink(leftover)
-            except FileNotFoundError:
-                pass
+        _remove(report_path, report_path + ".part")
+
+
+def _collect_forked(
+    server: ForkServer,
+    args: Sequence[str],
+    env: dict[str, str],
+    tag: str,
+    report_path: str,
+    timeout: float,
+) -> Collection:
+    """Collection in a child of the fork server: pytest, plugins and preloads already imported."""
+    log = Path(report_path + ".log")
+    pid: int | None = None
+    code: int | None = None
+    try:
+        pid = server.spawn(args, env, log, tag)
+        code = server.wait(pid, timeout)
+        if code is None:
+            kill_job(pid, pid, tag, grace=1.0)
+            server.wait(pid, 5.0)
+            raise _timed_out(timeout)
+        if code == SERVER_DIED:
+            kill_job(None, pid, tag, grace=1.0)
+            raise ServerGone("the fork server exited during collection")
+        output = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+        return _read_report(report_path, code, output)
+    finally:
+        if pid is not None and code is None:  # KeyboardInterrupt while waiting
+            kill_job(pid, pid, tag, grace=1.0)
+        _remove(report_path, report_path + ".part", str(log))

@@ -81,6 +81,23 @@ def _text(text: str) -> str:
     return text
 
 
+def _on_off(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("on", "1", "true", "yes"):
+        return True
+    if lowered in ("off", "0", "false", "no"):
+        return False
+    raise ValueError("must be on or off")
+
+
+def _module_list(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    for name in names:
+        if not all(piece.isidentifier() for piece in name.split(".")):
+            raise ValueError(f"names {name!r}, which is not a module name")
+    return names
+
+
 @dataclass(frozen=True)
 class Option:
     """One option: ``name`` is the attribute, the TOML key and (upper-cased) the variable suffix."""
@@ -157,8 +174,30 @@ OPTIONS: tuple[Option, ...] = (
         4,
         "start up to N GPU files' pytest processes before their cards are free, so "
         "interpreter start-up and plugin imports overlap the files still running "
-        "(no conftest or test module loads before the cards are assigned); 0: off",
+        "(no conftest or test module loads before the cards are assigned); only when "
+        "files start as fresh processes (--fork-server off or its fallback); 0: off",
         "N",
+    ),
+    Option(
+        "fork_server",
+        ("--fork-server",),
+        _on_off,
+        True,
+        "on: one process per run imports pytest, its plugins and the preload modules once "
+        "and forks each file's process from that clean state (never initialising CUDA); "
+        "off: each file starts a fresh python -m pytest (also the fallback where fork is "
+        "unsafe); default on",
+        "on|off",
+    ),
+    Option(
+        "preload",
+        ("--preload",),
+        _module_list,
+        (),
+        "modules the fork server imports once for every file, e.g. torch,transformers "
+        "(added to the third-party imports of the suite's conftest.py files, found "
+        "automatically); a TOML list in [tool.gpusched]",
+        "MODULES",
     ),
     Option(
         "gpu_release_timeout",
@@ -267,7 +306,12 @@ def resolve(
         for raw, source in candidates:
             if raw is None or (source == option.env and raw == ""):
                 continue
-            text = str(raw).lower() if isinstance(raw, bool) else str(raw)
+            if isinstance(raw, bool):
+                text = str(raw).lower()
+            elif isinstance(raw, list):
+                text = ",".join(str(item) for item in raw)
+            else:
+                text = str(raw)
             try:
                 values[option.name] = option.parse(text)
             except ValueError as exc:

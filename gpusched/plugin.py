@@ -35,6 +35,10 @@ MARKER_HELP = {
     **{name: f"{name}: shorthand for gpu({n})" for name, n in SHORTHAND_MARKERS.items()},
 }
 GPU_MARKERS = frozenset(MARKER_HELP)
+# Bound at import: a test may replace ``json.dumps`` (or ``os.replace``) in the process it runs
+# in, and its file must still report exactly what plain pytest reports.
+_encode = json.JSONEncoder().encode
+_replace = os.replace
 
 
 @dataclass
@@ -252,8 +256,8 @@ def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
         "skipped": state.skipped,
     }
     tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(payload), encoding="utf-8")
-    os.replace(tmp, path)
+    tmp.write_text(_encode(payload), encoding="utf-8")
+    _replace(tmp, path)
 
 
 _RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
@@ -281,5 +285,5 @@ def _message(report: pytest.TestReport) -> str:
 
 def _emit(state: _State, record: dict[str, Any]) -> None:
     if state.results is not None:
-        state.results.write(json.dumps(record) + "\n")
+        state.results.write(_encode(record) + "\n")
         state.results.flush()

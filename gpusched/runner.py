@@ -24,6 +24,7 @@ from typing import Protocol, TypeVar
 
 from gpusched.childenv import PortPool, card_env, child_env
 from gpusched.collect import plugin_args
+from gpusched.forkclient import ForkedProcess, ForkServer, ServerGone
 from gpusched.proctree import KillReport, kill_job
 from gpusched.results import FAILING, FileResult, Outcome, TestResult, judge
 from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
@@ -91,10 +92,10 @@ Event = Started | Finished | Interrupt | Ready | Tick
 
 
 @dataclass
-class _Child:
+class Child:
     """One attempt's pytest process and what must be cleaned up after it."""
 
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     tag: str
     stream: Path
     log_path: Path
@@ -102,6 +103,7 @@ class _Child:
     gate: Gate | None = None  # with warm starts on (cold children's gate opens at once)
     warm: bool = False  # waiting for its cards behind a closed gate
     watcher: asyncio.Task | None = None  # posts Ready once the child reached its gate
+    started: float | None = None  # monotonic; set for an early start (begun before the runner)
 
     def close_gate(self) -> None:
         if self.watcher is not None:
@@ -156,6 +158,67 @@ def log_name(path: str, rootdir: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", relative).strip("_") + ".log"
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What one attempt's child is started with: its tag, files, environment and arguments."""
+
+    tag: str
+    stream: Path
+    log_path: Path
+    ray_tmpdir: str
+    env: dict[str, str]
+    args: list[str]
+
+
+def _launch(config: RunConfig, path: str, key: str, cards: tuple[str, ...], port: int) -> _Launch:
+    """Name the attempt's files and build its environment (creates its ``RAY_TMPDIR``)."""
+    tag = f"{config.run_id}-{key}"
+    stream = config.work_dir / f"{key}.jsonl"
+    ray_tmpdir = tempfile.mkdtemp(prefix="gs", dir=config.tmp_root)
+    env = child_env(
+        os.environ,
+        cards,
+        simulated=config.simulated,
+        ray_tmpdir=ray_tmpdir,
+        master_port=port,
+        tag=tag,
+    )
+    args = [path, *plugin_args(), f"--gpusched-results={stream}", *config.pytest_args]
+    return _Launch(
+        tag, stream, config.log_dir / log_name(path, config.rootdir), ray_tmpdir, env, args
+    )
+
+
+def start_early(
+    server: ForkServer, config: RunConfig, ports: PortPool, path: str, key: str
+) -> Child | None:
+    """Fork a CPU file before collection is done (``gpusched.earlystart``); None if the server is gone.
+
+    Blocking: called by the session before the event loop runs. The runner
+    adopts the child (``Runner.run(adopted=...)``) or the session stops it.
+    """
+    launch = _launch(config, path, key, (), ports.take())
+    try:
+        pid = server.spawn(launch.args, launch.env, launch.log_path, launch.tag)
+    except ServerGone:
+        shutil.rmtree(launch.ray_tmpdir, ignore_errors=True)
+        return None
+    proc = ForkedProcess(server, pid)
+    child = Child(proc, launch.tag, launch.stream, launch.log_path, launch.ray_tmpdir)
+    child.started = time.monotonic()
+    return child
+
+
+def stop_early(child: Child, server: ForkServer) -> None:
+    """Kill an early child whose file was not collected, and forget everything it wrote."""
+    pid = child.proc.pid
+    kill_job(pid if child.proc.returncode is None else None, pid, child.tag, grace=1.0)
+    server.wait(pid, 5.0)
+    shutil.rmtree(child.ray_tmpdir, ignore_errors=True)
+    child.stream.unlink(missing_ok=True)
+    child.log_path.unlink(missing_ok=True)
+
+
 class Runner:
     """Runs jobs until none is pending or running, or until interrupted."""
 
@@ -167,6 +230,8 @@ class Runner:
         reporter: Reporter,
         releaser: CardReleaser | None = None,
         clock: Callable[[], float] = time.monotonic,
+        forkserver: ForkServer | None = None,
+        t0: float | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -174,7 +239,7 @@ class Runner:
         self.reporter = reporter
         self.releaser = releaser or ImmediateRelease()
         self.clock = clock
-        self.t0 = clock()
+        self.t0 = clock() if t0 is None else t0  # earlier when files started before the runner
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.tasks: dict[int, asyncio.Task] = {}
         self.attempts: dict[int, int] = {}
@@ -184,17 +249,32 @@ class Runner:
         self.report = RunReport()
         self.stopping = False
         self.running: dict[int, tuple[Job, float]] = {}  # job id -> (job, start on self.clock)
-        self.warm: dict[int, asyncio.Task[_Child]] = {}  # job id -> its pre-started child
+        self.warm: dict[int, asyncio.Task[Child]] = {}  # job id -> its pre-started child
         self.starting: set[int] = set()  # jobs whose child has not reached its gate yet
         self._cores = os.cpu_count() or 1
         self._tick_pending = False
+        self.forkserver = forkserver
+        self.forkserver_lost: str | None = None  # why files went back to fresh processes mid-run
         self._prestart = config.prestart
         if any("no:gpusched" in arg for arg in config.pytest_args):
             self._prestart = 0  # the gate lives in the plugin
+        if forkserver is not None:
+            self._prestart = 0  # a forked child starts in milliseconds: nothing to hide
 
-    async def run(self, jobs: Sequence[Job]) -> RunReport:
-        self.policy.submit(jobs)
+    async def run(
+        self, jobs: Sequence[Job], adopted: Mapping[str, Child] | None = None
+    ) -> RunReport:
+        """Run ``jobs``; ``adopted`` children (by path) already run theirs and get their slots first."""
         loop = asyncio.get_running_loop()
+        adopted = adopted or {}
+        first = [job for job in jobs if job.path in adopted]
+        self.policy.submit(first)
+        for job in first:
+            running: asyncio.Future[Child] = loop.create_future()
+            running.set_result(adopted[job.path])
+            self.warm[job.id] = running  # type: ignore[assignment]
+        self._start_what_fits()
+        self.policy.submit([job for job in jobs if job.path not in adopted])
         installed = []
         for signum in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -203,6 +283,9 @@ class Runner:
             except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
                 pass
         beat = asyncio.create_task(self._beat()) if self.config.heartbeat else None
+        attached = self.forkserver
+        if attached is not None:
+            attached.attach()
         try:
             await self._loop()
         except (asyncio.CancelledError, KeyboardInterrupt):
@@ -217,6 +300,8 @@ class Runner:
             if beat is not None:
                 beat.cancel()
             await _finish_anyway(self._cool_down())
+            if attached is not None:
+                attached.detach()
             for signum in installed:
                 loop.remove_signal_handler(signum)
         for job in self.policy.cancel_pending():
@@ -389,30 +474,25 @@ class Runner:
             shutil.rmtree(child.ray_tmpdir, ignore_errors=True)
             child.log_path.unlink(missing_ok=True)
 
-    async def _spawn(self, job: Job, attempt: int, cards: tuple[str, ...] | None) -> _Child:
+    async def _spawn(self, job: Job, attempt: int, cards: tuple[str, ...] | None) -> Child:
         """Start ``job``'s pytest process on ``cards``, or warm (``None``) behind a closed gate."""
-        config = self.config
-        tag = f"{config.run_id}-{job.id}-{attempt}"
-        stream = config.work_dir / f"{job.id}-{attempt}.jsonl"
-        log_path = config.log_dir / log_name(job.path, config.rootdir)
-        ray_tmpdir = tempfile.mkdtemp(prefix="gs", dir=config.tmp_root)
-        env = child_env(
-            os.environ,
-            cards or (),
-            simulated=config.simulated,
-            ray_tmpdir=ray_tmpdir,
-            master_port=self.ports.take(),
-            tag=tag,
+        launch = _launch(
+            self.config, job.path, f"{job.id}-{attempt}", cards or (), self.ports.take()
         )
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            job.path,
-            *plugin_args(),
-            f"--gpusched-results={stream}",
-            *config.pytest_args,
-        ]
+        tag, stream, log_path = launch.tag, launch.stream, launch.log_path
+        ray_tmpdir, env, args = launch.ray_tmpdir, launch.env, launch.args
+        if self.forkserver is not None and cards is not None:
+            try:
+                forked = await self.forkserver.start(args, env, log_path, tag)
+            except ServerGone as exc:
+                self.forkserver_lost = str(exc)
+                self.forkserver = None  # this file and the next ones start fresh processes
+            except BaseException:
+                shutil.rmtree(ray_tmpdir, ignore_errors=True)
+                raise
+            else:
+                return Child(forked, tag, stream, log_path, ray_tmpdir)
+        command = [sys.executable, "-m", "pytest", *args]
         gate = Gate() if self._prestart else None
         if gate is not None and cards is None:
             env = prestart_env(env, card_env(()), gate.child_fd)
@@ -435,7 +515,7 @@ class Runner:
             if gate is not None:
                 gate.close()
             raise
-        child = _Child(proc, tag, stream, log_path, ray_tmpdir, gate, warm=cards is None)
+        child = Child(proc, tag, stream, log_path, ray_tmpdir, gate, warm=cards is None)
         if gate is not None:
             gate.spawned()
             if cards is not None:
@@ -454,18 +534,23 @@ class Runner:
         job: Job,
         cards: tuple[str, ...],
         attempt: int,
-        warm: asyncio.Task[_Child] | None = None,
+        warm: asyncio.Task[Child] | None = None,
     ) -> None:
         config = self.config
         start = self.clock() - self.t0
         timed_out: float | None = None
         interrupted = False
-        child: _Child | None = None
+        child: Child | None = None
         kill = KillReport(0, ())
         # A started process must be known even if we are cancelled while it starts.
         spawning = warm or asyncio.ensure_future(self._spawn(job, attempt, cards))
         try:
             child = await asyncio.shield(spawning)
+            timeout = config.timeout
+            if child.started is not None:  # an early start: it has been running since then
+                start = child.started - self.t0
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (self.clock() - child.started))
             if child.warm:
                 start = self.clock() - self.t0
                 child.warm = False
@@ -474,7 +559,7 @@ class Runner:
             proc = child.proc
             self.events.put_nowait(Started(job, cards, proc.pid, attempt))
             try:
-                await asyncio.wait_for(proc.wait(), config.timeout)
+                await asyncio.wait_for(proc.wait(), timeout)
             except TimeoutError:
                 timed_out = config.timeout
             root = proc.pid if proc.returncode is None else None  # a reaped pid may be reused
@@ -524,7 +609,11 @@ class Runner:
             timed_out=timed_out,
             interrupted=interrupted,
         )
-        log_path = config.log_dir / log_name(job.path, config.rootdir)
+        log_path = (
+            child.log_path
+            if child is not None
+            else config.log_dir / log_name(job.path, config.rootdir)
+        )
         result.cards, result.start, result.end = cards, start, self.clock() - self.t0
         result.log, result.attempts = str(log_path), attempt
         if child is not None:

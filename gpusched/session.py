@@ -14,14 +14,16 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpusched.atomic import atomic_write
-from gpusched.childenv import local_tmp_root, read_mounts
+from gpusched.childenv import PortPool, local_tmp_root, read_mounts
 from gpusched.collect import CollectedFile, Collection, CollectionFailed, collect
+from gpusched.earlystart import early_picks
+from gpusched.forkclient import ForkServer, ServerSpec, start_server
 from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
@@ -32,6 +34,7 @@ from gpusched.history import (
 )
 from gpusched.inventory import Card, InventoryError, discover, parse_simulate_spec
 from gpusched.options import UsageError
+from gpusched.preload import auto_preload, fork_unavailable, guess_rootdir
 from gpusched.release import release_check
 from gpusched.report import (
     ConsoleReporter,
@@ -45,7 +48,7 @@ from gpusched.report import (
 )
 from gpusched.requirements import Requirement, format_memory
 from gpusched.results import FileResult, Outcome, TestResult
-from gpusched.runner import RunConfig, Runner
+from gpusched.runner import Child, RunConfig, Runner, start_early, stop_early
 from gpusched.scheduler import Job, largest_fitting, simulate
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
@@ -88,8 +91,19 @@ def runnable_requirement(entry: CollectedFile, cards: Sequence[Card]) -> Require
     )
 
 
-def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequence[str]) -> Prepared:
-    """Inventory, collection and jobs; raises UsageError or CollectionFailed."""
+def prepare(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    server: ForkServer | None = None,
+    on_inventory: Callable[[list[Card]], None] | None = None,
+) -> Prepared:
+    """Inventory, collection (in a child of ``server`` if given) and jobs.
+
+    ``on_inventory`` hears the cards before collection starts (early starts).
+
+    Raises UsageError or CollectionFailed.
+    """
     check_paths(paths)
     try:
         simulated = (
@@ -98,8 +112,10 @@ def prepare(paths: Sequence[str], settings: dict[str, Any], pytest_args: Sequenc
         cards = discover(simulated, settings["gpus"])
     except InventoryError as exc:
         raise UsageError(str(exc)) from None
+    if on_inventory is not None:
+        on_inventory(cards)
     selection = selection_args(settings)
-    collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"])
+    collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"], server)
     history, warning = load_history(STATE_DIR / HISTORY_FILE)
     keys = [history_key(entry.path, collection.rootdir) for entry in collection.files]
     expected = expected_durations(history, keys)
@@ -153,6 +169,49 @@ def exit_code(results: Sequence[FileResult], interrupted: bool) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def fork_server(
+    paths: Sequence[str], settings: dict[str, Any], run_id: str, reporter: ConsoleReporter
+) -> Iterator[ForkServer | None]:
+    """The run's fork server, or None (``--fork-server off``, or unsafe: said once, here).
+
+    Closed, with anything left of it, when the block ends.
+    """
+    if not settings.get("fork_server", True):
+        yield None
+        return
+    fresh = "; every file starts a fresh python -m pytest"
+    why = fork_unavailable()
+    if why:
+        reporter.say(f"gpusched: fork server off: {why}{fresh}")
+        yield None
+        return
+    rootdir = guess_rootdir(paths, Path.cwd())
+    log_dir = STATE_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    preload = tuple(settings.get("preload", ()))
+    startup = start_server(
+        ServerSpec(
+            preload,
+            tuple(name for name in auto_preload(paths, rootdir) if name not in preload),
+            os.environ,
+            log_dir / "forkserver.log",
+            run_id,
+            settings["collect_timeout"],
+        )
+    )
+    for note in startup.notes:
+        reporter.say(f"gpusched: {note}")
+    if startup.server is None:
+        reporter.say(f"gpusched: fork server off for this run: {startup.reason}{fresh}")
+        yield None
+        return
+    try:
+        yield startup.server
+    finally:
+        startup.server.close()
+
+
 def run(
     paths: Sequence[str],
     settings: dict[str, Any],
@@ -166,8 +225,83 @@ def run(
 
         if importlib.util.find_spec("pytest_timeout") is None:
             raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
+    run_id = uuid.uuid4().hex[:10]
     try:
-        prepared = prepare(paths, settings, pytest_args)
+        with fork_server(paths, settings, run_id, reporter) as server:
+            return _run(paths, settings, pytest_args, reporter, server, run_id)
+    except KeyboardInterrupt:
+        reporter.say("gpusched: interrupted during collection")
+        return _finish([], True, [], settings, reporter)
+
+
+def _run(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter,
+    server: ForkServer | None,
+    run_id: str,
+) -> int:
+    t0 = time.monotonic()
+    tmp_root, tmp_warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
+    log_dir = STATE_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="gpusched-run-"))
+    config = RunConfig(
+        pytest_args=child_args(paths, settings, pytest_args),
+        timeout=settings["timeout"],
+        kill_grace=settings["kill_grace"],
+        simulated=bool(settings["simulate_gpus"]),
+        log_dir=log_dir,
+        work_dir=work_dir,
+        tmp_root=tmp_root,
+        run_id=run_id,
+        reruns=settings["reruns"],
+        exitfirst=settings["exitfirst"],
+        rootdir=str(guess_rootdir(paths, Path.cwd())),
+        heartbeat=settings["heartbeat"],
+        prestart=settings["prestart"],
+    )
+    early: dict[str, Child] = {}
+
+    def start_early_files(cards: list[Card]) -> None:
+        """No card to wait for: the longest known files start now, beside collection."""
+        if server is None or cards:
+            return
+        history, _ = load_history(STATE_DIR / HISTORY_FILE)
+        rootdir = Path(config.rootdir)
+        ports = PortPool()
+        for n, path in enumerate(early_picks(history, rootdir, paths, settings["cpu_slots"])):
+            child = start_early(server, config, ports, path, f"e{n}-1")
+            if child is not None:
+                early[path] = child
+
+    try:
+        return _run_prepared(
+            paths, settings, pytest_args, reporter, server, config, early, start_early_files,
+            tmp_warning, t0,
+        )  # fmt: skip
+    finally:
+        for child in early.values():
+            if server is not None:
+                stop_early(child, server)
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _run_prepared(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter,
+    server: ForkServer | None,
+    config: RunConfig,
+    early: dict[str, Any],
+    on_inventory: Callable[[list[Card]], None],
+    tmp_warning: str | None,
+    t0: float,
+) -> int:
+    try:
+        prepared = prepare(paths, settings, pytest_args, server, on_inventory)
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted during collection")
         return _finish([], True, [], settings, reporter)
@@ -181,6 +315,8 @@ def run(
     results = collection_results(prepared.collection)
     for result in results:
         reporter.finished(result)
+    collected = {entry.path for entry in prepared.collection.files}
+    adopted = {path: early.pop(path) for path in list(early) if path in collected}
     if not prepared.jobs:
         if not results:
             reporter.say("gpusched: no tests collected")
@@ -194,51 +330,41 @@ def run(
             else "no GPUs"
         )
         + f" and {settings['cpu_slots']} CPU slots"
+        + (f" ({len(adopted)} started during collection)" if adopted else "")
     )
-    tmp_root, warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
-    if warning:
-        reporter.say(f"gpusched: warning: {warning}")
-    log_dir = STATE_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(tempfile.mkdtemp(prefix="gpusched-run-"))
+    if tmp_warning:
+        reporter.say(f"gpusched: warning: {tmp_warning}")
     from gpusched.scheduler import Packer
 
     tests = {entry.path: entry.tests for entry in prepared.collection.files}
-    config = RunConfig(
-        pytest_args=child_args(paths, settings, pytest_args),
-        timeout=settings["timeout"],
-        kill_grace=settings["kill_grace"],
-        simulated=bool(settings["simulate_gpus"]),
-        log_dir=log_dir,
-        work_dir=work_dir,
-        tmp_root=tmp_root,
-        run_id=uuid.uuid4().hex[:10],
-        reruns=settings["reruns"],
-        exitfirst=settings["exitfirst"],
-        rootdir=prepared.collection.rootdir,
-        heartbeat=settings["heartbeat"],
-        prestart=settings["prestart"],
-    )
+    config = dataclasses.replace(config, rootdir=prepared.collection.rootdir)
     live = live_reporter(reporter, cards, settings["cpu_slots"], len(prepared.jobs))
     if live is not None:
         config = dataclasses.replace(config, heartbeat=None)  # the live table shows elapsed times
     real_cards = bool(cards) and not settings["simulate_gpus"]
-    try:
-        with (
-            live or contextlib.nullcontext(),
-            release_check(
-                real_cards,
-                settings["gpu_release_timeout"],
-                settings["gpu_release_memory"],
-                warn=(live or reporter).say,
-            ) as releaser,
-        ):
-            runner = Runner(
-                config, Packer(cards, settings["cpu_slots"]), tests, live or reporter, releaser
-            )
-            report = asyncio.run(runner.run(prepared.jobs))
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+    with (
+        live or contextlib.nullcontext(),
+        release_check(
+            real_cards,
+            settings["gpu_release_timeout"],
+            settings["gpu_release_memory"],
+            warn=(live or reporter).say,
+        ) as releaser,
+    ):
+        runner = Runner(
+            config,
+            Packer(cards, settings["cpu_slots"]),
+            tests,
+            live or reporter,
+            releaser,
+            forkserver=server,
+            t0=t0 if adopted else None,
+        )
+        report = asyncio.run(runner.run(prepared.jobs, adopted))
+    if runner.forkserver_lost:
+        reporter.say(
+            f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"
+        )
     warning = record_durations(
         STATE_DIR / HISTORY_FILE, observations(report.results, prepared.collection.rootdir)
     )
@@ -260,9 +386,12 @@ def live_reporter(
 ) -> Any:
     """A live view (``gpusched.live``) when ``reporter`` writes to an interactive terminal
     outside CI, else None (the plain reporter goes on)."""
+    isatty = getattr(reporter.out, "isatty", None)
+    if type(reporter) is not ConsoleReporter or not (isatty and isatty()):
+        return None  # decided before importing rich (0.2 s of every run's start-up)
     from gpusched.live import LiveReporter, wants_live
 
-    if type(reporter) is not ConsoleReporter or not wants_live(reporter.out, os.environ):
+    if not wants_live(reporter.out, os.environ):
         return None
     from rich.console import Console
 

@@ -155,7 +155,9 @@ def test_warm_started_files_get_their_cards_before_conftest_loads(
     for i in range(4):
         files[f"test_b{i}.py"] = RECORDING.format(gpus=1, sleep=0.2, log=tests_log)
     make_suite(files)
-    result = run_gpusched("run", ".", "--simulate-gpus", "2", "--prestart", "2")
+    result = run_gpusched(
+        "run", ".", "--simulate-gpus", "2", "--prestart", "2", "--fork-server", "off"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "gpusched: 5 passed, 0 failed, 0 skipped"
     tests = {r["pid"]: r for r in map(json.loads, open(tests_log))}
@@ -195,7 +197,17 @@ def test_x_stop_ends_the_waiting_children_and_removes_their_logs(
     for i in range(4):
         files[f"test_b{i}.py"] = RECORDING.format(gpus=1, sleep=0.1, log=str(tmp_path / "x"))
     make_suite(files)
-    result = run_gpusched("run", str(tmp_path), "--simulate-gpus", "1", "--prestart", "3", "-x")
+    result = run_gpusched(
+        "run",
+        str(tmp_path),
+        "--simulate-gpus",
+        "1",
+        "--prestart",
+        "3",
+        "-x",
+        "--fork-server",
+        "off",
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "NOT RUN" in result.stdout
     assert not _suite_processes(tmp_path)
@@ -216,7 +228,7 @@ def test_ctrl_c_ends_the_waiting_children_too(make_suite, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE"))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpusched", "run", str(tmp_path), "--simulate-gpus", "1",
-         "--prestart", "3", "--kill-grace", "1"],
+         "--prestart", "3", "--kill-grace", "1", "--fork-server", "off"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

@@ -12,6 +12,8 @@ def check(observation: Observation) -> None:
     assert observation.observed == observation.expected, context
     assert observation.processes_left == [], context
     assert observation.temp_left == [], context
+    if observation.run is not None:  # the injections run with the fork server, the default
+        assert "fork server off" not in observation.run.out, context
 
 
 @pytest.fixture

@@ -75,6 +75,7 @@ class Sandbox:
 
     files: dict[str, str]
     extra_env: dict[str, str] = field(default_factory=dict)
+    on_close: list[Any] = field(default_factory=list)  # callables run first by ``close``
 
     def __post_init__(self) -> None:
         # Short on purpose: gpusched puts per-job RAY_TMPDIRs under TMPDIR only when it is short.
@@ -103,6 +104,7 @@ class Sandbox:
 
     def close(self) -> None:
         """Kill whatever still carries the mark (a failed run must not leak), remove the files."""
+        self.end_session()
         for proc in processes_with(MARK_VARIABLE, self.mark):
             try:
                 proc.kill()
@@ -111,6 +113,11 @@ class Sandbox:
         import shutil
 
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def end_session(self) -> None:
+        """What the session does after its runner, for in-process runs (close the fork server)."""
+        while self.on_close:
+            self.on_close.pop()()
 
     def environ(self) -> dict[str, str]:
         """The parent's environment without gpusched's own variables, plus the mark and TMPDIR.
@@ -241,6 +248,7 @@ class Observation:
 
 
 def observe(sandbox: Sandbox, fault: str, expected: str, observed: str, run, **details):
+    sandbox.end_session()
     return Observation(
         fault,
         expected,

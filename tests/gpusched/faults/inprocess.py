@@ -18,6 +18,7 @@ from pathlib import Path
 
 from faultkit import Observation, Sandbox, alive, observe, read_pids
 
+from gpusched.forkclient import ServerSpec, start_server
 from gpusched.inventory import Card
 from gpusched.release import NvmlRelease
 from gpusched.report import summary_lines
@@ -70,11 +71,19 @@ def build(
     releaser: NvmlRelease | None = None,
     heartbeat: float | None = None,
 ) -> tuple[Runner, list[Job]]:
-    """A runner over the sandbox's files: (name, gpus, test names) each, in file order."""
+    """A runner over the sandbox's files: (name, gpus, test names) each, in file order.
+
+    Files are forked by a fork server, as ``gpusched run`` does by default; the
+    sandbox closes it.
+    """
     work = box.tmp / "work"
     work.mkdir()
     logs = box.root / "logs"
     logs.mkdir(exist_ok=True)
+    spec = ServerSpec((), (), os.environ, logs / "forkserver.log", uuid.uuid4().hex[:8], 60.0)
+    startup = start_server(spec)
+    assert startup.server is not None, startup.reason
+    box.on_close.append(startup.server.close)
     config = RunConfig(
         pytest_args=(),
         timeout=60.0,
@@ -95,7 +104,7 @@ def build(
         str(box.suite / name): [f"{name}::{test}" for test in names] for name, _, names in files
     }
     policy = Packer([Card(card) for card in cards], cpu_slots=1)
-    return Runner(config, policy, tests, reporter, releaser), jobs
+    return Runner(config, policy, tests, reporter, releaser, forkserver=startup.server), jobs
 
 
 def _outcomes(results: list[FileResult]) -> dict[str, str]:

@@ -1,0 +1,348 @@
+"""The runner's side of the fork server (``gpusched.forkserver``): start it, ask for children, hear exits.
+
+One ``ForkServer`` per run, owned by the session: started before collection,
+used synchronously by collection and asynchronously by the runner (its socket
+is then read by the event loop), closed at the end of the run. A child it
+forks is a ``ForkedProcess``: a pid (also its process group), an exit code
+learnt from the server, and ``wait()``; the runner kills it as a tree exactly
+like a ``python -m pytest`` subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpusched.forkserver import TAG_PLACEHOLDER_WIDTH
+from gpusched.proctree import TAG_VARIABLE, kill_job
+
+# Run as a script, not ``-m gpusched.forkserver``: the gpusched package must first be imported
+# by pytest itself (as a plugin, through its assertion-rewriting hook), as in a fresh child.
+SERVER_SCRIPT = str(Path(__file__).with_name("forkserver.py"))
+SERVER_DIED = -1  # exit code reported for children whose server went away before they did
+MAX_AUTO_RETRIES = 3
+
+
+class ServerGone(RuntimeError):
+    """The fork server exited or stopped answering."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What a fork server is started with."""
+
+    preload: tuple[str, ...]  # named by the user: failing to import is an error
+    auto: tuple[str, ...]  # found automatically: dropped if missing or unsafe
+    env: Mapping[str, str]  # the runner's environment (the server's is derived from it)
+    log_path: Path  # the server's own output
+    run_id: str
+    timeout: float  # seconds to wait for the server to be ready
+
+
+@dataclass
+class Startup:
+    """The outcome of starting the server: the server, or why not; notes to print once."""
+
+    server: ForkServer | None
+    reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class ForkedProcess:
+    """A child of the fork server, with the slice of ``asyncio.subprocess.Process`` the runner uses."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server = server
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.server.exits.get(self.pid)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self.server.exit_future(self.pid))
+
+
+def placeholder_tag(run_id: str) -> str:
+    """The server's own job tag: unique to the run, wide enough for any child's tag."""
+    return f"fs-{run_id}-".ljust(TAG_PLACEHOLDER_WIDTH, "_")
+
+
+def server_env(base: Mapping[str, str], placeholder: str) -> dict[str, str]:
+    """The server's environment: no card visible, no ``RAY_ADDRESS``, the placeholder tag last.
+
+    Each child replaces it all with its own; a preload that initialised CUDA
+    regardless would find no card rather than someone else's.
+    """
+    env = {k: v for k, v in base.items() if k not in ("RAY_ADDRESS", TAG_VARIABLE)}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONUNBUFFERED"] = "1"
+    env[TAG_VARIABLE] = placeholder  # last: its block is rewritten in place by each child
+    return env
+
+
+class ForkServer:
+    """A running fork server. Not thread-safe: used from the session, then from the event loop."""
+
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, placeholder: str) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.placeholder = placeholder
+        self.exits: dict[int, int] = {}
+        self.hello: dict[str, Any] = {}
+        self._started: dict[int, int] = {}
+        self._ids = itertools.count(1)
+        self._buffer = b""
+        self._gone = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._start_futures: dict[int, asyncio.Future[int]] = {}
+        self._exit_futures: dict[int, asyncio.Future[int]] = {}
+
+    @classmethod
+    def launch(cls, spec: ServerSpec) -> ForkServer:
+        """Start the server process and wait for its first message (``hello``)."""
+        placeholder = placeholder_tag(spec.run_id)
+        ours, theirs = socket.socketpair()
+        config = json.dumps(
+            {"preload": list(spec.preload), "auto": list(spec.auto), "placeholder": placeholder}
+        )
+        try:
+            with open(spec.log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, SERVER_SCRIPT, str(theirs.fileno()), config],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=server_env(spec.env, placeholder),
+                    pass_fds=(theirs.fileno(),),
+                    process_group=0,
+                )
+        finally:
+            theirs.close()
+        server = cls(proc, ours, placeholder)
+        try:
+            server.hello = server._next_message(spec.timeout)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    # ------------------------------------------------------------------ messages
+
+    def _feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buffer += data
+        messages = []
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            message = json.loads(line)
+            match message.get("event"):
+                case "started":
+                    self._started[message["id"]] = message["pid"]
+                    future = self._start_futures.pop(message["id"], None)
+                    if future is not None and not future.done():
+                        future.set_result(message["pid"])
+                case "exit":
+                    self.exits[message["pid"]] = message["code"]
+                    future = self._exit_futures.get(message["pid"])
+                    if future is not None and not future.done():
+                        future.set_result(message["code"])
+                case _:
+                    messages.append(message)
+        return messages
+
+    def _lost(self) -> None:
+        """The server is gone: nobody will report the children's exits any more."""
+        self._gone = True
+        for future in self._start_futures.values():
+            if not future.done():
+                future.set_exception(ServerGone("the fork server exited"))
+        for pid, future in self._exit_futures.items():
+            self.exits.setdefault(pid, SERVER_DIED)
+            if not future.done():
+                future.set_result(SERVER_DIED)
+
+    def _receive(self, timeout: float | None) -> list[dict[str, Any]]:
+        """Block until some data arrives (or ``timeout``); the non-child messages it completed."""
+        if self._gone:
+            raise ServerGone("the fork server exited")
+        readable, _, _ = select.select([self.sock], [], [], timeout)
+        if not readable:
+            return []
+        data = self.sock.recv(1 << 16)
+        if not data:
+            self._lost()
+            raise ServerGone("the fork server exited")
+        return self._feed(data)
+
+    def _next_message(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerGone(f"the fork server did not answer within {timeout:g}s")
+            messages = self._receive(left)
+            if messages:
+                return messages[0]
+
+    def _request(self, args: Sequence[str], env: Mapping[str, str], log: Path, tag: str) -> int:
+        request_id = next(self._ids)
+        message = {
+            "id": request_id,
+            "args": list(args),
+            "env": dict(env),
+            "log": str(log),
+            "cwd": os.getcwd(),
+            "tag": tag,
+        }
+        try:
+            self.sock.sendall((json.dumps(message) + "\n").encode())
+        except OSError as exc:
+            self._lost()
+            raise ServerGone(f"the fork server exited ({exc})") from None
+        return request_id
+
+    # ------------------------------------------------------------------ synchronous use
+
+    def spawn(self, args: Sequence[str], env: Mapping[str, str], log: Path, tag: str) -> int:
+        """Fork a child running ``pytest.main(args)``; its pid. Blocking (collection)."""
+        request_id = self._request(args, env, log, tag)
+        while request_id not in self._started:
+            self._receive(None)
+        return self._started.pop(request_id)
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit code, or None if it is still running after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.exits:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            try:
+                self._receive(left)
+            except ServerGone:
+                return self.exits.setdefault(pid, SERVER_DIED)
+        return self.exits[pid]
+
+    # ------------------------------------------------------------------ asyncio use
+
+    def attach(self) -> None:
+        """Let the running event loop read the socket (the runner calls this first)."""
+        self._loop = asyncio.get_running_loop()
+        self.sock.setblocking(False)
+        self._loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def detach(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.sock.fileno())
+            self._loop = None
+        self._start_futures.clear()
+        self._exit_futures = {pid: f for pid, f in self._exit_futures.items() if not f.done()}
+        for future in self._exit_futures.values():
+            future.cancel()
+        self._exit_futures.clear()
+        if not self._gone:
+            self.sock.setblocking(True)
+
+    def _on_readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            assert self._loop is not None
+            self._loop.remove_reader(self.sock.fileno())
+            self._lost()
+            return
+        self._feed(data)
+
+    def exit_future(self, pid: int) -> asyncio.Future[int]:
+        future = self._exit_futures.get(pid)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._exit_futures[pid] = future
+            if pid in self.exits:
+                future.set_result(self.exits[pid])
+            elif self._gone:
+                future.set_result(self.exits.setdefault(pid, SERVER_DIED))
+        return future
+
+    async def start(
+        self, args: Sequence[str], env: Mapping[str, str], log: Path, tag: str
+    ) -> ForkedProcess:
+        """Fork a child for the runner; returns once the server reported its pid."""
+        if self._gone:
+            raise ServerGone("the fork server exited")
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        request_id = self._request(args, env, log, tag)
+        self._start_futures[request_id] = future
+        if request_id in self._started:  # answered before we registered (cannot happen today)
+            future.set_result(self._started.pop(request_id))
+        pid = await future
+        self._started.pop(request_id, None)
+        return ForkedProcess(self, pid)
+
+    # ------------------------------------------------------------------ end
+
+    def close(self) -> None:
+        """Hang up; the server exits. Anything left with its tag (or in its group) is killed."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        root = self.proc.pid if self.proc.poll() is None else None
+        kill_job(root, self.proc.pid, self.placeholder, grace=1.0)
+        self.proc.wait()
+
+
+def start_server(spec: ServerSpec) -> Startup:
+    """Start a fork server that is safe to fork from, or say why there is none.
+
+    An automatically found module that makes the server unsafe (starts a
+    thread, initialises CUDA) is left out and the server started again
+    without it; one the user named, or a plugin, means no fork server.
+    """
+    notes: list[str] = []
+    auto = list(spec.auto)
+    for _ in range(MAX_AUTO_RETRIES + 1):
+        try:
+            server = ForkServer.launch(dataclasses.replace(spec, auto=tuple(auto)))
+        except (ServerGone, OSError) as exc:
+            log = spec.log_path
+            return Startup(None, f"the fork server did not start ({exc}; see {log})", notes)
+        hello = server.hello
+        if hello.get("event") == "ready":
+            for entry in hello.get("dropped", []):
+                notes.append(f"preload: {entry['module']} not preloaded ({entry['reason']})")
+            return Startup(server, None, notes)
+        server.close()
+        module = hello.get("module")
+        if hello.get("auto") and module in auto:
+            notes.append(f"preload: {module} not preloaded ({hello.get('reason')})")
+            auto.remove(module)
+            continue
+        where = f"preload {module!r}" if module else "start-up"
+        reason = str(hello.get("reason", "unknown"))
+        return Startup(
+            None,
+            reason if reason.startswith(("preload", "pytest")) else f"{where}: {reason}",
+            notes,
+        )
+    return Startup(None, "too many automatically found preload modules were unsafe", notes)
