@@ -693,21 +693,30 @@ def learn(args: argparse.Namespace, work: Path) -> None:
         p = run_trl(s, files, work)
         rows.append((seed, t, p))
         print(f"seed {seed}: trainer {t.val}\n        TRL     {p.val}", flush=True)
+    print_learn(rows)
+
+
+def print_learn(rows: list[tuple[int, Result, Result]]) -> None:
+    """The --learn table: steps to 0.9 (and 0.5), s/step, wall seconds, last val reward."""
     print(
-        f"\n{'seed':>4} | {'steps to 0.9':>12} {'':>5} | {'s/step':>13} | {'wall s':>13} |"
-        f" {'last val':>13}\n{'':>4} | {'trainer':>7} {'TRL':>10} | {'trainer':>6} {'TRL':>6} |"
-        f" {'trainer':>6} {'TRL':>6} | {'trainer':>6} {'TRL':>6}"
+        f"\n{'seed':>4} | {'steps to 0.9':>14} | {'steps to 0.5':>14} | {'s/step':>13} |"
+        f" {'wall s':>13} | {'last val':>13}"
     )
+    print(f"{'':>4} |" + f" {'trainer':>7} {'TRL':>6} |" * 2 + f" {'trainer':>6} {'TRL':>6} |" * 3)
     wins = 0
     for seed, t, p in rows:
         st, sp = steps_to(t.val, 0.9), steps_to(p.val, 0.9)
         wins += st is not None and (sp is None or st <= sp)
+        half = [str(steps_to(r.val, 0.5) or "-") for r in (t, p)]
         print(
-            f"{seed:>4} | {str(st or '-'):>7} {str(sp or '-'):>10} | "
+            f"{seed:>4} | {str(st or '-'):>7} {str(sp or '-'):>6} | {half[0]:>7} {half[1]:>6} | "
             f"{summary(t, 0)['step_s']:6.3f} {summary(p, 0)['step_s']:6.3f} | "
             f"{t.wall_s:6.1f} {p.wall_s:6.1f} | {t.val[-1][1]:6.3f} {p.val[-1][1]:6.3f}"
         )
-    print(f"\ntrainer needs no more steps than TRL on {wins} of {len(rows)} seeds")
+    print(
+        f"\ntrainer reaches 0.9 in no more steps than TRL on {wins} of {len(rows)} seeds "
+        "('-': not within --max-steps)"
+    )
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
