@@ -592,6 +592,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seeds", default="0,1,2", help="--learn: comma-separated seeds")
     p.add_argument("--max-steps", type=int, default=100, help="--learn: steps per run at most")
+    p.add_argument(
+        "--learn-model",
+        default="",
+        metavar="HIDDEN,INTERMEDIATE,LAYERS",
+        help="--learn: a Llama of this shape (4 heads) instead of TinySpec's defaults; "
+        "128,256,4 is the 662k-parameter model of issue #12",
+    )
     p.add_argument("--steps", type=int, default=7, help="speed: optimizer steps per system")
     p.add_argument("--warmup", type=int, default=2, help="speed: steps left out of the medians")
     p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: 16 CPU, 128 CUDA)")
@@ -609,7 +616,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="extra python -m trainer override (repeatable), e.g. actor.micro_batch_size=1024",
     )
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, run dirs)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.learn_model:
+        parts = args.learn_model.split(",")
+        if len(parts) != 3 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+            p.error(
+                f"--learn-model {args.learn_model!r}: expected three positive ints, e.g. 128,256,4"
+            )
+    return args
 
 
 def _require_trl() -> str:
@@ -667,10 +681,14 @@ def speed(args: argparse.Namespace, work: Path) -> None:
 
 
 def learn(args: argparse.Namespace, work: Path) -> None:
-    files = build_assets(work, None, 1000, 64, args.max_new_tokens)
+    shape = None
+    if args.learn_model:
+        hidden, inter, layers = (int(x) for x in args.learn_model.split(","))
+        shape = ModelShape("llama", hidden, inter, layers, 4, 4)
+    files = build_assets(work, shape, 1000, 64, args.max_new_tokens)
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     print(
-        f"learn: TinySpec model {files['params'] / 1e3:.0f}k params, 16 prompts x 8 completions, "
+        f"learn: {'TinySpec' if shape is None else shape} model {files['params'] / 1e3:.0f}k params, 16 prompts x 8 completions, "
         f"{args.max_new_tokens} new tokens, lr 1e-3, val every 5 steps on 64 prompts x 4 samples "
         f"(T=1), stop at 0.9, at most {args.max_steps} steps; load {os.getloadavg()[0]:.2f}\n"
     )
