@@ -33,12 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's trainer
 
 
-def decode_like_trainer(tokenizer, completion_ids: list[list[int]]) -> list[str]:
+def decode_like_trainer(
+    tokenizer, completion_ids: list[list[int]], skip_special_tokens: bool
+) -> list[str]:
     """Completion texts exactly as the trainer's ``decode_responses`` makes them.
 
-    The final EOS is dropped, every other special token stays in the text
-    (TRL's own ``completions`` skip special tokens, which would let a policy
-    that emits padding look finished).
+    The final EOS is dropped; other special tokens are dropped too unless
+    ``skip_special_tokens`` is false (the trainer's ``reward.skip_special_tokens``).
     """
     from trainer.ppo import decode_responses
 
@@ -48,14 +49,14 @@ def decode_like_trainer(tokenizer, completion_ids: list[list[int]]) -> list[str]
     for i, ids in enumerate(completion_ids):
         responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask[i, : len(ids)] = 1
-    return decode_responses(tokenizer, responses, mask)
+    return decode_responses(tokenizer, responses, mask, skip_special_tokens)
 
 
-def make_reward(fn, tokenizer):
+def make_reward(fn, tokenizer, skip_special_tokens: bool):
     """A TRL reward function over ``completion_ids`` that calls the shared ``fn``."""
 
     def shared_reward(prompts, completions, completion_ids, ground_truth, **kwargs) -> list[float]:
-        texts = decode_like_trainer(tokenizer, completion_ids)
+        texts = decode_like_trainer(tokenizer, completion_ids, skip_special_tokens)
         return [float(fn(t, gt)) for t, gt in zip(texts, ground_truth, strict=True)]
 
     return shared_reward
@@ -154,7 +155,7 @@ def main(spec_path: str, out_path: str) -> int:
             row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
             for row in out[:, enc["input_ids"].shape[1] :].tolist()
         ]
-        texts = decode_like_trainer(tok, rows)
+        texts = decode_like_trainer(tok, rows, spec["skip_special_tokens"])
         scores = [float(reward_fn(t, gt)) for t, gt in zip(texts, gts, strict=True)]
         return sum(scores) / len(scores)
 
@@ -199,7 +200,7 @@ def main(spec_path: str, out_path: str) -> int:
     args = GRPOConfig(**spec["grpo_config"])
     trainer = TimedGRPOTrainer(
         model=model,
-        reward_funcs=make_reward(reward_fn, tok),
+        reward_funcs=make_reward(reward_fn, tok, spec["skip_special_tokens"]),
         args=args,
         train_dataset=train,
         processing_class=tok,

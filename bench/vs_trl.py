@@ -40,9 +40,12 @@ Decisions, stated here because the issue left them open:
   and both sides tokenize that plain string (BOS + tokens). TRL applies a
   chat template only to conversational datasets and without adding BOS, so
   passing messages would have given the two sides different token ids.
-- **Decoded text**: the trainer scores the response without its final EOS,
-  keeping other special tokens; TRL's ``completions`` skip special tokens. The
-  TRL reward therefore decodes ``completion_ids`` with the trainer's rule.
+- **Decoded text**: both sides score the response without its final EOS and,
+  by default, without special tokens (the trainer's
+  ``reward.skip_special_tokens=true``, TRL's own reading);
+  ``--strict-decoding`` keeps them on both. The TRL reward decodes
+  ``completion_ids`` with the trainer's ``decode_responses`` either way, so
+  the text is the same byte for byte.
 - **One device**: ``trainer.num_workers=1`` (TRL is one process). A trainer
   worker always runs torch with 1 thread, so on CPU TRL is given 1 thread too
   (``torch.set_num_threads(1)``); ``--two-workers`` adds trainer with 2 workers
@@ -127,6 +130,9 @@ class Shared:
     val_n: int = 4
     val_temperature: float = 1.0
     stop_at_val_reward: float = 0.0
+    skip_special_tokens: bool = True
+    """How the reward reads a response (both: final EOS dropped). trainer:
+    reward.skip_special_tokens; TRL: completion_ids decoded with the trainer's rule."""
     num_threads: int = 1
     """torch threads of the TRL process (a trainer worker always has 1)."""
     workers: int = 1
@@ -144,6 +150,7 @@ def trainer_overrides(s: Shared, files: dict[str, str], run_dir: str) -> list[st
         f"data.train_batch_size={s.prompts}",
         f"reward.function={files['reward_file']}:score",
         "reward.score_unfinished=true",
+        f"reward.skip_special_tokens={str(s.skip_special_tokens).lower()}",
         f"rollout.n={s.completions}",
         f"rollout.max_response_length={s.max_new_tokens}",
         f"rollout.temperature={s.temperature}",
@@ -489,6 +496,7 @@ def run_trl(s: Shared, files: dict[str, Any], work: Path) -> Result:
         "max_new_tokens": s.max_new_tokens,
         "val_every": s.val_every,
         "val_n": s.val_n,
+        "skip_special_tokens": s.skip_special_tokens,
         "val_temperature": s.val_temperature,
         "stop_at_val_reward": s.stop_at_val_reward,
         "grpo_config": trl_config(s, str(work / name)),
@@ -616,6 +624,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="extra python -m trainer override (repeatable), e.g. actor.micro_batch_size=1024",
     )
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, run dirs)")
+    p.add_argument(
+        "--strict-decoding",
+        action="store_true",
+        help="the reward reads special tokens too, on both sides (default: skipped, as TRL does)",
+    )
     args = p.parse_args(argv)
     if args.learn_model:
         parts = args.learn_model.split(",")
@@ -661,6 +674,7 @@ def speed(args: argparse.Namespace, work: Path) -> None:
         lr=args.lr or (1e-5 if cuda else 1e-3),
         steps=args.steps,
         device=args.device,
+        skip_special_tokens=not args.strict_decoding,
     )
     print(
         f"speed: {shape.family} {files['params'] / 1e6:.1f}M params, "
@@ -706,6 +720,7 @@ def learn(args: argparse.Namespace, work: Path) -> None:
             val_n=4,
             val_temperature=1.0,
             stop_at_val_reward=0.9,
+            skip_special_tokens=not args.strict_decoding,
         )
         t = run_trainer(s, files, work, args.trainer_override)
         p = run_trl(s, files, work)
