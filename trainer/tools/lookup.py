@@ -1,0 +1,42 @@
+"""The ``lookup`` tool of the embedded ``lookup`` task: a table the model never sees.
+
+Each episode gets its own random table (``tools_kwargs["lookup"]["table"]``,
+made by :func:`trainer.tasks.lookup_example`), so the answer cannot be
+learned from prompts: only a call with the right key reveals it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.tools.base import Tool
+
+
+class LookupTool(Tool):
+    """``lookup(key) -> value`` in this episode's hidden table; rewards asking for the right key."""
+
+    name = "lookup"
+    description = "Look up the value stored under an integer key in a hidden table."
+    parameters = {
+        "type": "object",
+        "properties": {"key": {"type": "integer", "description": "the key to look up"}},
+        "required": ["key"],
+    }
+
+    async def create(self, table: dict[str, str] | None = None, key: int | None = None, **_: Any):
+        """State: the episode's table and the key its question is about."""
+        if not table:
+            raise ValueError("lookup needs tools_kwargs.lookup.table (a dict key -> value)")
+        return {"table": {str(k): str(v) for k, v in table.items()}, "key": key, "found": False}
+
+    async def execute(self, arguments: dict[str, Any], state: dict[str, Any]) -> str:
+        key = str(arguments["key"])
+        if key not in state["table"]:
+            raise KeyError(f"no key {key}")
+        if state["key"] is not None and key == str(state["key"]):
+            state["found"] = True
+        return state["table"][key]
+
+    async def reward(self, state: dict[str, Any]) -> float:
+        """1.0 once the episode has looked up the key its question asks about."""
+        return 1.0 if state["found"] else 0.0
