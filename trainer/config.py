@@ -66,6 +66,8 @@ class MultiTurnConfig:
     """Seconds a tool call may take before it is abandoned and reported as a timeout."""
     max_concurrency: int = 64
     """Tool calls running at once per worker."""
+    max_tool_response_length: int = 0
+    """Tokens of one tool result the model sees (the rest is cut); 0 means the task's default."""
     log_trajectories: int = 4
     """Decoded episodes written to <run_dir>/trajectories.jsonl at each validation."""
 
@@ -386,6 +388,10 @@ def _validate_multi_turn(cfg: Config) -> None:
     _need(
         mt.format in ("auto", "hermes", "compact"),
         f"rollout.multi_turn.format={mt.format!r}: choose 'auto', 'hermes' or 'compact'",
+    )
+    _need(
+        mt.max_tool_response_length >= 0,
+        f"rollout.multi_turn.max_tool_response_length={mt.max_tool_response_length}: must be >= 0",
     )
     _need(
         mt.log_trajectories >= 0,

@@ -38,6 +38,15 @@ def tool_specs(cfg: Config) -> list[str]:
     return specs
 
 
+def tool_response_length(cfg: Config) -> int:
+    """``rollout.multi_turn.max_tool_response_length``, or the task's default when 0 (256 for files)."""
+    from trainer.tasks import get_task
+
+    if cfg.rollout.multi_turn.max_tool_response_length:
+        return int(cfg.rollout.multi_turn.max_tool_response_length)
+    return 256 if cfg.data.train_files else get_task(cfg.data.task).max_tool_response_length
+
+
 def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:
     """The OpenAI schemas of the run's tools for the chat template (None without multi-turn)."""
     if not cfg.rollout.multi_turn.enable:
@@ -56,7 +65,9 @@ def build_rollout(cfg: Config, engine: Any, tokenizer: Any) -> Any:
     tools = load_tools(tool_specs(cfg))
     executor = ToolExecutor(tools, mt.tool_timeout, mt.max_concurrency)
     parser = select_parser(mt.format, tokenizer, tools)
-    return MultiTurnRollout(engine, tokenizer, tools, parser, executor, mt.max_turns)
+    return MultiTurnRollout(
+        engine, tokenizer, tools, parser, executor, mt.max_turns, tool_response_length(cfg)
+    )
 
 
 def attach_tools_kwargs(prompts: TensorDict, extras: list[dict[str, Any]]) -> TensorDict:

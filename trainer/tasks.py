@@ -39,6 +39,8 @@ class Task:
     max_response_length: int
     tools: tuple[str, ...] = ()
     """Tools the task needs (``rollout.multi_turn.tools`` when that is empty)."""
+    max_tool_response_length: int = 256
+    """Tokens of a tool result shown to the model (``rollout.multi_turn.max_tool_response_length=0``)."""
 
     def examples(self, n: int, seed: int) -> list[Example]:
         """``n`` examples drawn from ``random.Random(seed)``: same seed, same list."""
@@ -72,7 +74,7 @@ LOOKUP_KEYS = 10
 
 def _lookup(rng: random.Random) -> Example:
     """``key=`` -> the value under ``key`` in a table drawn for this example alone."""
-    table = {str(k): str(rng.randint(10, 99)) for k in range(LOOKUP_KEYS)}
+    table = {str(k): str(rng.randrange(10)) for k in range(LOOKUP_KEYS)}
     key = rng.randrange(LOOKUP_KEYS)
     return Example(
         prompt=[{"role": "user", "content": f"{key}="}],
@@ -82,18 +84,25 @@ def _lookup(rng: random.Random) -> Example:
 
 
 def lookup_reward(
-    completion: str, ground_truth: str, tool_rewards: dict[str, float] | None = None, **extra: Any
+    completion: str,
+    ground_truth: str,
+    tool_rewards: dict[str, float] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    **extra: Any,
 ) -> float:
-    """``m + 0.1 * t * (1 - m)``: m = char_match(answer, value), t = lookup's tool reward.
+    """``m + 0.5 * t * (1 - m)``: m = exact match of the answer, t = credit for using the tool.
 
-    t is 1 when the episode looked up the key its question asks about. This
-    shaping lets a random-init policy find the call: without it, calling pays
-    only once the model has also learned to copy the result, which it cannot
-    learn without calling. A right answer scores 1 either way.
+    t is lookup's tool reward (1 when the episode looked up the key its
+    question asks about), else 0.2 when it made any call (another key, a
+    malformed call, bad arguments). This shaping lets
+    a random-init policy find the call: without it, calling pays only once the
+    model has also learned to copy the result, which it cannot learn without
+    calling, while a guessed digit is right one time in ten. A right answer
+    scores 1 either way; 0.9 on average needs nearly every answer right.
     """
-    tool = (tool_rewards or {}).get("lookup", 0.0)
-    match = char_match(completion, ground_truth)
-    return match + 0.1 * tool * (1.0 - match)
+    tool = (tool_rewards or {}).get("lookup", 0.0) or (0.2 if tool_calls else 0.0)
+    match = exact_match(completion, ground_truth)
+    return match + 0.5 * tool * (1.0 - match)
 
 
 TASKS: dict[str, Task] = {
@@ -104,8 +113,9 @@ TASKS: dict[str, Task] = {
         "lookup",
         _lookup,
         lookup_reward,
-        max_response_length=24,
+        max_response_length=20,
         tools=("trainer.tools.lookup:LookupTool",),
+        max_tool_response_length=4,
     ),
 }
 

@@ -48,13 +48,18 @@ class ObservationRenderer:
     of the assistant's content and the next generation prompt is the
     difference of two renderings (with and without the tool messages), minus
     the EOS the model emitted itself. Frames are cached per tuple of tool
-    names; contents are substituted into the frame text, which is tokenized
-    whole (no special tokens added).
+    names; contents (cut to ``max_content_tokens``) are substituted into the
+    frame text, which is tokenized whole (no special tokens added).
     """
 
     _ASSISTANT = "\x01assistant\x01"
 
-    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        schemas: list[dict[str, Any]] | None = None,
+        max_content_tokens: int = 256,
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "rollout.multi_turn.enable=true needs a tokenizer with a chat template: tool "
@@ -62,6 +67,7 @@ class ObservationRenderer:
             )
         self.tok = tokenizer
         self.schemas = schemas or None
+        self.max_content_tokens = max_content_tokens
         self._frames: dict[tuple[str, ...], str] = {}
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
@@ -96,11 +102,18 @@ class ObservationRenderer:
             self._frames[names] = end_of_turn + full[len(head) :]
         return self._frames[names]
 
+    def clip(self, content: str) -> str:
+        """``content`` cut to its first ``max_content_tokens`` tokens."""
+        ids = self.tok(content, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.max_content_tokens:
+            return content
+        return self.tok.decode(ids[: self.max_content_tokens], skip_special_tokens=False)
+
     def render(self, outcomes: list[CallOutcome]) -> list[int]:
         """Token ids of the tool messages for ``outcomes`` and the next generation prompt."""
         text = self.frame(tuple(o.tool or "" for o in outcomes))
         for i, o in enumerate(outcomes):
-            text = text.replace(_HOLE.format(i), o.observation)
+            text = text.replace(_HOLE.format(i), self.clip(o.observation))
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -171,6 +184,7 @@ class MultiTurnRollout:
         parser: ToolCallParser,
         executor: ToolExecutor,
         max_turns: int,
+        max_tool_response_length: int = 256,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"rollout.multi_turn.max_turns={max_turns}: must be >= 1")
@@ -179,7 +193,9 @@ class MultiTurnRollout:
         self.parser = parser
         self.executor = executor
         self.max_turns = max_turns
-        self.renderer = ObservationRenderer(tokenizer, [t.schema() for t in tools])
+        self.renderer = ObservationRenderer(
+            tokenizer, [t.schema() for t in tools], max_tool_response_length
+        )
         self.eos = int(tokenizer.eos_token_id)
         self.pad = int(tokenizer.pad_token_id)
 
@@ -264,7 +280,9 @@ class MultiTurnRollout:
         for (e, _), outcomes in zip(pending, self.executor.run(run_all()), strict=True):
             e.outcomes += outcomes
             for o in outcomes:
-                e.messages.append({"role": "tool", "name": o.tool, "content": o.observation})
+                e.messages.append(
+                    {"role": "tool", "name": o.tool, "content": self.renderer.clip(o.observation)}
+                )
             obs = self.renderer.render(list(outcomes))
             if len(e.response) + len(obs) >= budget:  # no room left to answer
                 e.done, e.truncated = True, True

@@ -13,7 +13,7 @@ from trainer.tools.base import Tool
 
 
 class LookupTool(Tool):
-    """``lookup(key) -> value`` in this episode's hidden table; rewards asking for the right key."""
+    """``lookup(key) -> value`` in this episode's hidden table; rewards asking (for the right key)."""
 
     name = "lookup"
     description = "Look up the value stored under an integer key in a hidden table."
@@ -27,16 +27,15 @@ class LookupTool(Tool):
         """State: the episode's table and the key its question is about."""
         if not table:
             raise ValueError("lookup needs tools_kwargs.lookup.table (a dict key -> value)")
-        return {"table": {str(k): str(v) for k, v in table.items()}, "key": key, "found": False}
+        return {"table": {str(k): str(v) for k, v in table.items()}, "key": key, "asked": []}
 
     async def execute(self, arguments: dict[str, Any], state: dict[str, Any]) -> str:
         key = str(arguments["key"])
         if key not in state["table"]:
             raise KeyError(f"no key {key}")
-        if state["key"] is not None and key == str(state["key"]):
-            state["found"] = True
+        state["asked"].append(key)
         return state["table"][key]
 
     async def reward(self, state: dict[str, Any]) -> float:
-        """1.0 once the episode has looked up the key its question asks about."""
-        return 1.0 if state["found"] else 0.0
+        """1.0 if the episode looked up the key its question asks about, else 0.0."""
+        return 1.0 if str(state["key"]) in state["asked"] else 0.0
