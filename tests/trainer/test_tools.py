@@ -101,6 +101,8 @@ def test_hermes_text_without_calls_is_all_content():
 def test_compact_single_tool_needs_no_name_and_converts_types():
     turn = CompactParser([LookupTool()]).parse("~7")
     assert turn.calls == [ToolCall("lookup", {"key": 7}, raw="~7")] and turn.content == ""
+    # Optional trailing parameters may be left out.
+    assert CompactParser([LookupTool()]).parse("~").calls == [ToolCall("lookup", {}, raw="~")]
 
 
 def test_compact_several_named_calls_one_per_line_with_content_before():
@@ -119,6 +121,7 @@ def test_compact_several_named_calls_one_per_line_with_content_before():
         ("~add:1", "takes 2 argument(s), got 1"),
         ("~add:1,x", "b='x' is not integer"),
         ("~1,2", "expected ~name:arguments"),  # no name with two tools
+        ("~echo:a,b", "echo takes 0-1 argument(s), got 2"),
     ],
 )
 def test_compact_malformed_calls_come_back_with_an_error(text, error):
@@ -297,3 +300,21 @@ def test_calls_run_concurrently_up_to_the_bound(bound):
     assert Sleep.peak == bound  # the bound is reached and never exceeded
     # Serially 64 x 0.2 s = 12.8 s; bounded by 8, 8 waves of 0.2 s. Generous margins.
     assert wall < (64 / bound) * 0.2 * 4 + 1.0, wall
+
+
+def test_lookup_tool_reads_this_episodes_table_and_rewards_the_questions_key():
+    tool = LookupTool()
+    table = {str(k): str((3 * k) % 10) for k in range(10)}
+
+    async def episode(*keys):
+        state = await tool.create(table=table, key=4)
+        seen = [await tool.execute({} if k is None else {"key": k}, state) for k in keys]
+        return seen, await tool.reward(state)
+
+    assert asyncio.run(episode(None)) == (["2"], 1.0)  # no key: the question's key
+    assert asyncio.run(episode(7)) == (["1"], 0.0)
+    assert asyncio.run(episode(7, 4)) == (["1", "2"], 1.0)
+    with pytest.raises(KeyError, match="no key 12"):
+        asyncio.run(episode(12))
+    with pytest.raises(ValueError, match="tools_kwargs.lookup.table"):
+        asyncio.run(tool.create())

@@ -13,14 +13,21 @@ from trainer.tools.base import Tool
 
 
 class LookupTool(Tool):
-    """``lookup(key) -> value`` in this episode's hidden table; rewards asking (for the right key)."""
+    """``lookup(key) -> value`` in this episode's hidden table; rewards asking for the right key.
+
+    ``key`` is optional: without it the tool looks up the key the episode's
+    question is about, so the shortest right call is ``lookup()``.
+    """
 
     name = "lookup"
-    description = "Look up the value stored under an integer key in a hidden table."
+    description = (
+        "Look up the value stored under an integer key in a hidden table "
+        "(default: the key the question asks about)."
+    )
     parameters = {
         "type": "object",
         "properties": {"key": {"type": "integer", "description": "the key to look up"}},
-        "required": ["key"],
+        "required": [],
     }
 
     async def create(self, table: dict[str, str] | None = None, key: int | None = None, **_: Any):
@@ -30,7 +37,7 @@ class LookupTool(Tool):
         return {"table": {str(k): str(v) for k, v in table.items()}, "key": key, "asked": []}
 
     async def execute(self, arguments: dict[str, Any], state: dict[str, Any]) -> str:
-        key = str(arguments["key"])
+        key = str(arguments.get("key", state["key"]))
         if key not in state["table"]:
             raise KeyError(f"no key {key}")
         state["asked"].append(key)

@@ -95,8 +95,9 @@ class CompactParser:
 
     Values are converted to the parameter's JSON type (``integer``,
     ``number``, ``boolean``, else string); a value that does not convert, or
-    a wrong number of values, is a malformed call. Text before the first
-    ``~`` of a line is content.
+    a number of values outside [required, all parameters], is a malformed
+    call (trailing optional parameters may be left out). Text before the
+    first ``~`` of a line is content.
     """
 
     MARK = "~"
@@ -128,14 +129,16 @@ class CompactParser:
             return ToolCall(name, raw=raw)  # unknown tool: reported by the executor
         names = property_names(tool)
         parts = values.split(",") if values.strip() else []
-        if len(parts) != len(names):
+        least = len(tool.parameters.get("required") or [])
+        if not least <= len(parts) <= len(names):
+            takes = f"{least}-{len(names)}" if least < len(names) else str(len(names))
             return ToolCall(
                 name,
-                error=f"malformed tool call: {name} takes {len(names)} argument(s), got {len(parts)}",
+                error=f"malformed tool call: {name} takes {takes} argument(s), got {len(parts)}",
                 raw=raw,
             )
         args: dict[str, Any] = {}
-        for key, part in zip(names, parts, strict=True):
+        for key, part in zip(names, parts, strict=False):
             kind = tool.parameters["properties"][key].get("type")
             try:
                 args[key] = _convert(part.strip(), kind)
