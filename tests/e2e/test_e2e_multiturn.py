@@ -31,7 +31,7 @@ pytestmark = pytest.mark.parametrize(
     indirect=True,
 )
 
-STEPS = 3
+STEPS = 2
 PER_EPISODE = (
     "multi_turn/turns_mean",
     "multi_turn/tool_calls_mean",
@@ -65,6 +65,7 @@ def result(ray_cluster, tmp_path_factory):
             "rollout.n=4",
             "data.train_batch_size=16",
             "actor.ppo_mini_batch_size=16",
+            "critic.ppo_mini_batch_size=16",
             "data.num_val_examples=16",
             f"trainer.total_steps={STEPS}",
             f"trainer.val_every={STEPS}",
