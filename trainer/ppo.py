@@ -64,8 +64,10 @@ def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     The last token is the last position of the mask, which need not be its
     sum minus one: multi-turn masks have holes where tool results sit.
     """
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    positions = torch.arange(1, response_mask.shape[1] + 1).expand_as(response_mask)
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device).expand_as(
+        response_mask
+    )
     last = (positions * response_mask.bool()).max(dim=1).values - 1
     rows = torch.nonzero(last >= 0).squeeze(1)
     out[rows, last[rows]] = scores[rows]
