@@ -318,3 +318,26 @@ def test_lookup_tool_reads_this_episodes_table_and_rewards_the_questions_key():
         asyncio.run(episode(12))
     with pytest.raises(ValueError, match="tools_kwargs.lookup.table"):
         asyncio.run(tool.create())
+
+
+def test_the_documented_calculator_tool_works_as_the_docs_say(tmp_path):
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    start = doc.index("```python\n# my_tools.py\n") + len("```python\n")
+    f = tmp_path / "my_tools.py"
+    f.write_text(doc[start : doc.index("```", start)])
+    calc = load_tool(f"{f}:Calculator")
+    assert calc.schema()["function"]["parameters"]["required"] == ["expression"]
+    with ToolExecutor([calc], timeout=5, max_concurrency=4) as ex:
+
+        async def episode():
+            states = await ex.create_states({"calculator": {"answer": "84"}})
+            ok = await ex.call(ToolCall("calculator", {"expression": "12*(3+4)"}), states)
+            bad = await ex.call(ToolCall("calculator", {"expression": "__import__('os')"}), states)
+            return ok, bad, await ex.finish_states(states)
+
+        ok, bad, rewards = ex.run(episode())
+    assert (ok.status, ok.observation) == ("ok", "84")
+    assert bad.status == "error" and "unsupported characters" in bad.observation
+    assert rewards == {"calculator": 0.1}
