@@ -204,6 +204,7 @@ def _prepare(cfg: Config) -> _Prepared:
     from trainer import checkpoint as ckpt
     from trainer.data import build_datasets
     from trainer.models import load_tokenizer, resolve_model_path
+    from trainer.multiturn import tool_schemas
     from trainer.ppo import resolve_reward_fn, response_length
 
     t0 = time.perf_counter()
@@ -213,7 +214,7 @@ def _prepare(cfg: Config) -> _Prepared:
     torch.manual_seed(cfg.seed)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
-    train, val = build_datasets(cfg, tokenizer)
+    train, val = build_datasets(cfg, tokenizer, tool_schemas(cfg))
     prepared = _Prepared(
         cfg,
         run_dir,
@@ -235,6 +236,7 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
     import ray
 
     from trainer import checkpoint as ckpt
+    from trainer.multiturn import TrajectoryLog
     from trainer.ppo import PPOTrainer, build_worker_groups, shutdown_worker_groups
     from trainer.tracking import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
 
@@ -263,6 +265,8 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
             p.max_new_tokens,
             cfg.trainer.num_workers,
         )
+        if cfg.rollout.multi_turn.enable:
+            trainer.trajectory_log = TrajectoryLog(run_dir, cfg.rollout.multi_turn.log_trajectories)
         if p.resume_from is not None:
             actor.load_checkpoint(str(p.resume_from))
             if critic is not None:

@@ -53,6 +53,26 @@ class ModelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    """Episodes of several turns with tool calls (see docs/trainer.md, multi-turn rollouts)."""
+    max_turns: int = 4
+    """Assistant turns per episode at most (the response budget may end it sooner)."""
+    tools: list[str] = field(default_factory=list)
+    """Tool classes: package.module:Class or /path/file.py:Class; empty means the task's tools."""
+    format: str = "auto"
+    """How calls are written: hermes (<tool_call>{json}</tool_call>), compact (~name:a,b), auto."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may take before it is abandoned and reported as a timeout."""
+    max_concurrency: int = 64
+    """Tool calls running at once per worker."""
+    max_tool_response_length: int = 0
+    """Tokens of one tool result the model sees (the rest is cut); 0 means the task's default."""
+    log_trajectories: int = 4
+    """Decoded episodes written to <run_dir>/trajectories.jsonl at each validation."""
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "hf"
     """hf (Hugging Face generate) or vllm (CUDA only; needs the vllm package)."""
@@ -67,6 +87,7 @@ class RolloutConfig:
     val_temperature: float = -1.0
     """Temperature for validation; negative means the training temperature."""
     val_n: int = 1
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -352,6 +373,7 @@ def validate(cfg: Config) -> None:
             not sec.offload or sec.strategy != "ddp",
             f"{name}.offload=true with {name}.strategy=ddp: offload needs fsdp2 (or auto on CUDA)",
         )
+    _validate_multi_turn(cfg)
     _need(t.total_steps >= 1, f"trainer.total_steps={t.total_steps}: must be >= 1")
     _need(t.num_workers >= 0, f"trainer.num_workers={t.num_workers}: must be >= 0 (0 means auto)")
     _need(
@@ -370,4 +392,38 @@ def validate(cfg: Config) -> None:
     _need(
         t.resume == "never" or bool(t.run_dir) or t.resume != "auto",
         "trainer.resume=auto needs trainer.run_dir: set the run directory to resume from",
+    )
+
+
+def _validate_multi_turn(cfg: Config) -> None:
+    """``rollout.multi_turn.*``: ranges, and tasks that need tools only with multi-turn on."""
+    mt = cfg.rollout.multi_turn
+    _need(mt.max_turns >= 1, f"rollout.multi_turn.max_turns={mt.max_turns}: must be >= 1")
+    _need(mt.tool_timeout > 0, f"rollout.multi_turn.tool_timeout={mt.tool_timeout}: must be > 0")
+    _need(
+        mt.max_concurrency >= 1,
+        f"rollout.multi_turn.max_concurrency={mt.max_concurrency}: must be >= 1",
+    )
+    _need(
+        mt.format in ("auto", "hermes", "compact"),
+        f"rollout.multi_turn.format={mt.format!r}: choose 'auto', 'hermes' or 'compact'",
+    )
+    _need(
+        mt.max_tool_response_length >= 0,
+        f"rollout.multi_turn.max_tool_response_length={mt.max_tool_response_length}: must be >= 0",
+    )
+    _need(
+        mt.log_trajectories >= 0,
+        f"rollout.multi_turn.log_trajectories={mt.log_trajectories}: must be >= 0",
+    )
+    _need(
+        mt.enable or not mt.tools,
+        "rollout.multi_turn.tools is set but rollout.multi_turn.enable=false: enable multi-turn",
+    )
+    from trainer.tasks import TASKS
+
+    task = TASKS.get(cfg.data.task)
+    _need(
+        mt.enable or bool(cfg.data.train_files) or task is None or not task.tools,
+        f"data.task={cfg.data.task} needs its tools: set rollout.multi_turn.enable=true",
     )

@@ -111,18 +111,30 @@ def load_examples(
 def examples_from_task(examples: Sequence[Example], task_name: str) -> list[dict[str, Any]]:
     """Synthetic examples in the same shape as :func:`load_examples` returns."""
     return [
-        {"prompt": e.prompt, "ground_truth": e.ground_truth, "extra": {"data_source": task_name}}
+        {
+            "prompt": e.prompt,
+            "ground_truth": e.ground_truth,
+            "extra": {"data_source": task_name, **e.extra},
+        }
         for e in examples
     ]
 
 
-def encode_prompt(prompt: str | list[dict[str, str]], tokenizer) -> list[int]:
-    """Token ids of a plain-text prompt, or of chat messages through the chat template."""
+def encode_prompt(
+    prompt: str | list[dict[str, str]], tokenizer, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of a plain-text prompt, or of chat messages through the chat template.
+
+    ``tools`` (OpenAI function schemas, multi-turn only) go to the template,
+    which shows them to the model the way the model was trained to see them.
+    """
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat-message prompts need a tokenizer with a chat template")
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        prompt, tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
     bos = tokenizer.bos_token
     add_special = not (bos and text.startswith(bos))
     return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
@@ -164,12 +176,13 @@ def build_dataset(
     max_prompt_length: int,
     overlong: str,
     source: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptDataset:
     """Tokenize ``examples``; drop or truncate (keep the end) prompts over the limit."""
     ids, gts, extras = [], [], []
     dropped = truncated = 0
     for ex in examples:
-        toks = encode_prompt(ex["prompt"], tokenizer)
+        toks = encode_prompt(ex["prompt"], tokenizer, tools)
         if len(toks) > max_prompt_length:
             if overlong == "drop":
                 dropped += 1
@@ -247,8 +260,13 @@ class PromptLoader:
         self._order = self._epoch_order(self.epoch)
 
 
-def build_datasets(cfg, tokenizer) -> tuple[PromptDataset, PromptDataset]:
-    """Train and validation datasets for ``cfg.data`` (files if given, else the synthetic task)."""
+def build_datasets(
+    cfg, tokenizer, tools: list[dict[str, Any]] | None = None
+) -> tuple[PromptDataset, PromptDataset]:
+    """Train and validation datasets for ``cfg.data`` (files if given, else the synthetic task).
+
+    ``tools``: the multi-turn tools' schemas, rendered into chat prompts.
+    """
     d = cfg.data
     if d.train_files:
         train_ex = load_examples(d.train_files, d.prompt_key, d.ground_truth_key)
@@ -263,6 +281,10 @@ def build_datasets(cfg, tokenizer) -> tuple[PromptDataset, PromptDataset]:
         tr, va = task.split(d.num_train_examples, d.num_val_examples, cfg.seed)
         train_ex, val_ex = examples_from_task(tr, task.name), examples_from_task(va, task.name)
         sources = (f"task {task.name}", f"task {task.name}")
-    train = build_dataset(train_ex, tokenizer, d.max_prompt_length, d.overlong_prompts, sources[0])
-    val = build_dataset(val_ex, tokenizer, d.max_prompt_length, d.overlong_prompts, sources[1])
+    train = build_dataset(
+        train_ex, tokenizer, d.max_prompt_length, d.overlong_prompts, sources[0], tools
+    )
+    val = build_dataset(
+        val_ex, tokenizer, d.max_prompt_length, d.overlong_prompts, sources[1], tools
+    )
     return train, val

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from trainer import algos
+from trainer import algos, multiturn
 from trainer import batch as batch_ops
 from trainer.config import Config
 from trainer.data import PromptDataset, PromptLoader
@@ -62,11 +62,18 @@ def finished_mask(
 
 
 def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's score on its last response token (zeros elsewhere)."""
+    """Place each sequence's score on its last response token (zeros elsewhere).
+
+    The last token is the last position of the mask, which need not be its
+    sum minus one: multi-turn masks have holes where tool results sit.
+    """
     out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    lengths = response_mask.sum(dim=1)
-    rows = torch.nonzero(lengths > 0).squeeze(1)
-    out[rows, lengths[rows] - 1] = scores.to(out.device)[rows]
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device).expand_as(
+        response_mask
+    )
+    last = (positions * response_mask.bool()).max(dim=1).values - 1
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] = scores.to(out.device)[rows]
     return out
 
 
@@ -302,6 +309,9 @@ class PPOTrainer:
             len(train), cfg.data.train_batch_size, cfg.seed, cfg.data.shuffle
         )
         self.kl_ctrl = make_kl_controller(cfg)
+        self.multi_turn = cfg.rollout.multi_turn.enable
+        self.trajectory_log: multiturn.TrajectoryLog | None = None
+        """Set by the caller that owns a run directory (``python -m trainer``)."""
         self.step = 0
         mini = [cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size]
         if cfg.use_critic:
@@ -317,6 +327,8 @@ class PPOTrainer:
         t_start = time.perf_counter()
         indices = self.loader.next_indices()
         prompts, gts, extras = self.train.batch(indices)
+        if self.multi_turn:
+            prompts = multiturn.attach_tools_kwargs(prompts, extras)
         group_ids = group_ids_for(len(indices), n)
         prompts = batch_ops.repeat_interleave(prompts, n)
         gts = [gts[i] for i in group_ids.tolist()]
@@ -329,9 +341,7 @@ class PPOTrainer:
 
         # 2. rewards from the rule (or user function) on the decoded text
         with _timed(m, "reward"):
-            texts = decode_responses(
-                self.tokenizer, batch["responses"], mask, cfg.reward.skip_special_tokens
-            )
+            texts, extras = self._reward_inputs(batch, extras, m, "rollout")
             scores = score_responses(self.reward_fn, texts, gts, extras, self._finished(batch))
             token_rewards = token_level_rewards(scores, mask)
 
@@ -414,32 +424,48 @@ class PPOTrainer:
         vn = self.cfg.rollout.val_n
         t0 = time.perf_counter()
         prompts, gts, extras = self.val.batch(range(len(self.val)))
+        if self.multi_turn:
+            prompts = multiturn.attach_tools_kwargs(prompts, extras)
         rep = group_ids_for(len(self.val), vn).tolist()
         out = self.actor.generate_sequences(
             batch_ops.repeat_interleave(prompts, vn), validation=True
         )
-        texts = decode_responses(
-            self.tokenizer,
-            out["responses"],
-            out["response_mask"],
-            self.cfg.reward.skip_special_tokens,
-        )
+        m: dict[str, float] = {}
+        texts, val_extras = self._reward_inputs(out, [extras[i] for i in rep], m, "val")
         scores = score_responses(
-            self.reward_fn,
-            texts,
-            [gts[i] for i in rep],
-            [extras[i] for i in rep],
-            self._finished(out),
+            self.reward_fn, texts, [gts[i] for i in rep], val_extras, self._finished(out)
         )
+        if self.multi_turn and self.trajectory_log is not None:
+            records = multiturn.episode_records(out)
+            self.trajectory_log.write(self.step, "val", records, scores.tolist())
         return {
+            **m,
             "val/reward_mean": float(scores.mean()),
             "val/exact": float((scores == 1).float().mean()),
             "timing/val": time.perf_counter() - t0,
         }
 
+    def _reward_inputs(
+        self, batch: TensorDict, extras: list[dict], m: dict[str, float], prefix: str
+    ) -> tuple[list[str], list[dict]]:
+        """Texts and extras for the reward function; multi-turn adds the trajectory and metrics."""
+        if not self.multi_turn:
+            texts = decode_responses(
+                self.tokenizer,
+                batch["responses"],
+                batch["response_mask"],
+                self.cfg.reward.skip_special_tokens,
+            )
+            return texts, extras
+        records = multiturn.episode_records(batch)
+        m.update(multiturn.episode_metrics(records, prefix))
+        return multiturn.reward_inputs(records, extras)
+
     def _finished(self, batch: TensorDict) -> torch.Tensor | None:
         if self.cfg.reward.score_unfinished:
             return None
+        if "finished" in batch.keys():  # multi-turn: the last turn ended with EOS
+            return batch["finished"].bool()
         return finished_mask(
             batch["responses"], batch["response_mask"], self.tokenizer.eos_token_id
         )

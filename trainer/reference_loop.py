@@ -55,6 +55,11 @@ class ReferenceLoop:
         self.cfg = cfg
         if cfg.trainer.use_gpu and not torch.cuda.is_available():
             raise RuntimeError("trainer.use_gpu=true but torch.cuda.is_available() is False")
+        if cfg.rollout.multi_turn.enable:
+            raise ValueError(
+                "rollout.multi_turn.enable=true: the reference loop samples single responses "
+                "only; run multi-turn training with python -m trainer"
+            )
         self.device = torch.device("cuda" if cfg.trainer.use_gpu else "cpu")
         seed_everything(cfg.seed)
         path = resolve_model_path(cfg.model.path)

@@ -37,43 +37,49 @@ def char_match(completion: str, ground_truth: str, **extra: Any) -> float:
     return hits / max(len(c), len(g))
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve ``spec`` to a callable.
+def import_object(spec: str, key: str, what: str = "attribute") -> Any:
+    """Resolve ``spec`` to the object it names; errors name ``key`` (the config key) and ``spec``.
 
-    Accepted forms: ``/path/to/file.py:function``, ``package.module:function``,
-    ``package.module.function``. Errors name the spec and what is wrong.
+    Accepted forms: ``/path/to/file.py:name``, ``package.module:name``,
+    ``package.module.name``. Shared by reward functions and tools.
     """
     if not spec or not isinstance(spec, str):
-        raise ValueError(
-            f"reward.function={spec!r}: expected 'module:function' or 'file.py:function'"
-        )
+        raise ValueError(f"{key}={spec!r}: expected 'module:name' or 'file.py:name'")
     if ":" in spec:
         where, name = spec.rsplit(":", 1)
     elif "." in spec:
         where, name = spec.rsplit(".", 1)
     else:
-        raise ValueError(
-            f"reward.function={spec!r}: expected 'module:function', 'module.function' or 'file.py:function'"
-        )
+        raise ValueError(f"{key}={spec!r}: expected 'module:name', 'module.name' or 'file.py:name'")
     if where.endswith(".py") or os.sep in where:
         if not os.path.isfile(where):
-            raise FileNotFoundError(f"reward.function={spec!r}: file {where!r} does not exist")
-        mod_name = "_trainer_reward_" + os.path.splitext(os.path.basename(where))[0]
+            raise FileNotFoundError(f"{key}={spec!r}: file {where!r} does not exist")
+        mod_name = "_trainer_user_" + os.path.splitext(os.path.basename(where))[0]
         file_spec = importlib.util.spec_from_file_location(mod_name, where)
         if file_spec is None or file_spec.loader is None:
-            raise ImportError(f"reward.function={spec!r}: cannot import {where!r}")
+            raise ImportError(f"{key}={spec!r}: cannot import {where!r}")
         module = importlib.util.module_from_spec(file_spec)
         file_spec.loader.exec_module(module)
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise ImportError(
-                f"reward.function={spec!r}: cannot import module {where!r}: {exc}"
-            ) from exc
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        raise AttributeError(f"reward.function={spec!r}: {where!r} has no callable {name!r}")
+            raise ImportError(f"{key}={spec!r}: cannot import module {where!r}: {exc}") from exc
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise AttributeError(f"{key}={spec!r}: {where!r} has no {what} {name!r}")
+    return obj
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve ``spec`` to a callable.
+
+    Accepted forms: ``/path/to/file.py:function``, ``package.module:function``,
+    ``package.module.function``. Errors name the spec and what is wrong.
+    """
+    fn = import_object(spec, "reward.function", "callable")
+    if not callable(fn):
+        raise AttributeError(f"reward.function={spec!r}: has no callable {fn!r}")
     params = inspect.signature(fn).parameters
     positional = [
         p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)

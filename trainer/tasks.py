@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.rewards import char_match, exact_match
 
@@ -22,8 +23,10 @@ from trainer.rewards import char_match, exact_match
 class Example:
     """One prompt with the answer its reward is computed against."""
 
-    prompt: str
+    prompt: str | list[dict[str, str]]
     ground_truth: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Extra columns (e.g. ``tools_kwargs``), passed on like a data file's."""
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,12 @@ class Task:
 
     name: str
     make_one: Callable[[random.Random], Example]
-    reward: Callable[[str, str], float]
+    reward: Callable[..., float]
     max_response_length: int
+    tools: tuple[str, ...] = ()
+    """Tools the task needs (``rollout.multi_turn.tools`` when that is empty)."""
+    max_tool_response_length: int = 256
+    """Tokens of a tool result shown to the model (``rollout.multi_turn.max_tool_response_length=0``)."""
 
     def examples(self, n: int, seed: int) -> list[Example]:
         """``n`` examples drawn from ``random.Random(seed)``: same seed, same list."""
@@ -62,10 +69,56 @@ def _add(rng: random.Random) -> Example:
     return Example(prompt=f"{a}+{b}=", ground_truth=str(a + b))
 
 
+LOOKUP_KEYS = 10
+LOOKUP_TOOL_WEIGHT = 0.3
+"""Weight of the tool credit in :func:`lookup_reward` (0.5 left answers empty, see docs)."""
+
+
+def _lookup(rng: random.Random) -> Example:
+    """``key=`` -> the value under ``key`` in a table drawn for this example alone."""
+    table = {str(k): str(rng.randrange(10)) for k in range(LOOKUP_KEYS)}
+    key = rng.randrange(LOOKUP_KEYS)
+    return Example(
+        prompt=[{"role": "user", "content": f"{key}="}],
+        ground_truth=table[str(key)],
+        extra={"tools_kwargs": {"lookup": {"table": table, "key": key}}},
+    )
+
+
+def lookup_reward(
+    completion: str,
+    ground_truth: str,
+    tool_rewards: dict[str, float] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    **extra: Any,
+) -> float:
+    """``m + 0.3 * t * (1 - m)``: m = exact match of the answer, t = credit for using the tool.
+
+    t is lookup's tool reward (1 when the episode looked up the key its
+    question asks about, by naming it or by leaving the key out), else 0.2
+    when it made any call (another key, a malformed call). This shaping lets
+    a random-init policy find the call: without it, calling pays only once the
+    model has also learned to copy the result, which it cannot learn without
+    calling, while a guessed digit is right one time in ten. A right answer
+    scores 1 either way; 0.9 on average needs nearly every answer right.
+    """
+    tool = (tool_rewards or {}).get("lookup", 0.0) or (0.2 if tool_calls else 0.0)
+    match = exact_match(completion, ground_truth)
+    return match + LOOKUP_TOOL_WEIGHT * tool * (1.0 - match)
+
+
 TASKS: dict[str, Task] = {
     "repeat": Task("repeat", _repeat, char_match, max_response_length=5),
     "reverse": Task("reverse", _reverse, char_match, max_response_length=6),
     "add": Task("add", _add, exact_match, max_response_length=4),
+    "lookup": Task(
+        "lookup",
+        _lookup,
+        lookup_reward,
+        max_response_length=20,
+        tools=("trainer.tools.lookup:LookupTool",),
+        max_tool_response_length=4,
+    ),
 }
 
 

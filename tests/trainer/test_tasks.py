@@ -15,7 +15,7 @@ def test_examples_are_seeded_and_splits_differ(name):
     train, val = task.split(50, 50, seed=3)
     assert train == a
     assert val != train
-    assert len({e.prompt for e in train}) > 5  # not one prompt repeated
+    assert len({repr(e.prompt) for e in train}) > 5  # not one prompt repeated
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

@@ -99,6 +99,11 @@ class ActorRolloutRefWorker(Worker):
             gpu_memory_utilization=self.cfg.rollout.gpu_memory_utilization,
             seed=self.cfg.seed * 9973 + self.rank,
         )
+        self.multi_turn = None
+        if self.cfg.rollout.multi_turn.enable:  # the episode loop over the same engine
+            from trainer.multiturn import build_rollout
+
+            self.multi_turn = build_rollout(self.cfg, self.engine, self.tokenizer)
 
     def _gathered(self, model: torch.nn.Module):
         """Full parameters held for a burst of forwards that may differ in count between ranks."""
@@ -109,8 +114,9 @@ class ActorRolloutRefWorker(Worker):
         params = sampling_params(self.cfg, self.max_new_tokens, validation=validation)
         # The HF engine runs the training module itself; vLLM holds its own copy.
         shared = self.cfg.rollout.engine == "hf"
+        rollout = self.multi_turn or self.engine
         with self._gathered(self.actor) if shared else nullcontext():
-            return self.engine.generate(prompts.to(self.device), params).to("cpu")
+            return rollout.generate(prompts.to(self.device), params).to("cpu")
 
     def _log_probs(
         self, model: torch.nn.Module, batch: TensorDict
