@@ -14,6 +14,7 @@ Batch layout (see :func:`trainer.rollout.finish_responses`): ``input_ids``,
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -85,6 +86,21 @@ def micro_batches(batch: TensorDict, rows: int, tokens: int = 0) -> tuple[Tensor
     return batch.split(rows)
 
 
+_KEEPS_LOGITS: dict[type, bool] = {}
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` can skip the LM head on prompt positions (HF ``logits_to_keep``).
+
+    The head over a large vocabulary is a big share of a forward pass; only the
+    response's R + 1 last positions are needed.
+    """
+    kind = type(model)
+    if kind not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[kind] = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _KEEPS_LOGITS[kind]
+
+
 def response_logits(model: torch.nn.Module, batch: TensorDict, temperature: float) -> torch.Tensor:
     """Logits (B, R, V) predicting each response token, divided by ``temperature``.
 
@@ -92,11 +108,13 @@ def response_logits(model: torch.nn.Module, batch: TensorDict, temperature: floa
     the response's predictions are positions P - 1 .. P + R - 2.
     """
     r = _response_len(batch)
+    kwargs = {"logits_to_keep": r + 1} if _keeps_logits(model) else {}
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
+        **kwargs,
     )
     logits = out.logits[:, -r - 1 : -1, :].float()
     if temperature > 0:

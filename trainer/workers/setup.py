@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForTokenClassification
 
 from trainer.config import OptimConfig
@@ -51,12 +52,18 @@ def build_critic(path: str, seed: int) -> torch.nn.Module:
 def build_optimizer(
     model: torch.nn.Module, cfg: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW with a linear warm-up to ``cfg.lr`` then constant."""
+    """AdamW with a linear warm-up to ``cfg.lr`` then constant.
+
+    The fused kernel (one pass over all parameters, CPU and CUDA) for plain
+    tensors; FSDP2's sharded DTensor parameters keep the default implementation.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        params,
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         weight_decay=cfg.weight_decay,
+        fused=not any(isinstance(p, DTensor) for p in params) or None,
     )
     warm = max(int(cfg.warmup_steps), 0)
     sched = torch.optim.lr_scheduler.LambdaLR(
