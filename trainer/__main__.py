@@ -123,7 +123,7 @@ def run(cfg: Config) -> RunResult:
     ray.init(
         num_cpus=cfg.trainer.ray_num_cpus or num_cpus,
         # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
-        # _plan_on_cluster then trains on them; trainer.device=cpu hides them from Ray.
+        # build_worker_groups then plans on them; trainer.device=cpu hides them from Ray.
         num_gpus=0 if request == "cpu" else None,
         include_dashboard=False,
         runtime_env=get_runtime_env(),
@@ -131,7 +131,6 @@ def run(cfg: Config) -> RunResult:
         logging_level="ERROR",
     )
     try:
-        _plan_on_cluster(cfg)
         return _train(prepared)
     finally:
         ray.shutdown()
@@ -140,24 +139,6 @@ def run(cfg: Config) -> RunResult:
 def _pools(cfg: Config) -> int:
     """Pools the run reserves: 2 when the critic has a pool of its own (colocate=none)."""
     return 2 if cfg.use_critic and cfg.trainer.colocate == "none" else 1
-
-
-def _plan_on_cluster(cfg: Config, *, colocate: bool = True) -> None:
-    """Settle ``trainer.device=auto`` and ``num_workers=0`` from the running Ray cluster.
-
-    The cluster, not this process's CUDA, decides: ``auto`` trains on CUDA when
-    the cluster offers GPUs. Writes the decision back into ``cfg``
-    (``trainer.use_gpu``, ``trainer.num_workers``) for the pools and workers.
-    """
-    import ray
-
-    from trainer.workers.device import plan_devices
-
-    pools = _pools(cfg) if colocate else (2 if cfg.use_critic else 1)
-    gpus = float(ray.cluster_resources().get("GPU", 0.0))
-    plan = plan_devices(cfg.device_request, gpus, cfg.trainer.num_workers, pools)
-    cfg.trainer.use_gpu = plan.use_gpu
-    cfg.trainer.num_workers = plan.num_workers
 
 
 def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:
@@ -176,9 +157,7 @@ def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:
         raise RuntimeError(
             "run_on_cluster needs a running Ray: call ray.init(...) first, or use run(cfg)"
         )
-    prepared = _prepare(cfg)
-    _plan_on_cluster(cfg, colocate=colocate)
-    return _train(prepared, colocate=colocate)
+    return _train(_prepare(cfg), colocate=colocate)
 
 
 @dataclass

@@ -198,10 +198,31 @@ def decode_responses(
     return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens)
 
 
+def plan_on_cluster(cfg: Config, pools: int = 1) -> None:
+    """Settle ``trainer.device=auto`` and ``trainer.num_workers=0`` from the running Ray cluster.
+
+    The cluster, not this process's CUDA, decides: ``auto`` trains on CUDA when
+    the cluster offers GPUs (see :func:`trainer.workers.device.plan_devices`).
+    The decision is written back into ``cfg`` (``trainer.use_gpu``,
+    ``trainer.num_workers``), so calling this again changes nothing.
+    """
+    import ray
+
+    from trainer.workers.device import plan_devices
+
+    gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    plan = plan_devices(cfg.device_request, gpus, cfg.trainer.num_workers, pools)
+    cfg.trainer.use_gpu = plan.use_gpu
+    cfg.trainer.num_workers = plan.num_workers
+
+
 def build_worker_groups(
     cfg: Config, model_path: str, max_new_tokens: int, *, colocate: bool | None = None
 ) -> dict[str, Any]:
     """Start the role groups on the running Ray cluster: actor (+ critic).
+
+    First settles the device and the worker count from the cluster
+    (:func:`plan_on_cluster`).
 
     ``trainer.colocate`` says where the critic (GAE only) lives:
     ``process`` (what ``python -m trainer`` does): one pool of
@@ -216,6 +237,7 @@ def build_worker_groups(
     from trainer.workers import ActorRolloutRefWorker, CriticWorker
 
     mode = "none" if colocate is False else cfg.trainer.colocate
+    plan_on_cluster(cfg, pools=2 if cfg.use_critic and mode == "none" else 1)
 
     def pool() -> ResourcePool:
         return ResourcePool([cfg.trainer.num_workers], use_gpu=cfg.trainer.use_gpu)

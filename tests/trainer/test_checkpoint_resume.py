@@ -4,7 +4,7 @@ Run A trains 2k steps without stopping. Run B is the same configuration,
 SIGKILLed (driver and every process it started) once its step-k checkpoint
 exists, then started again with ``trainer.resume=auto`` to finish. Both write
 metrics.jsonl and a step-2k checkpoint: every metric at every step (all but
-wall-clock timings) must be equal, and the final weights equal within 1e-6.
+wall-clock timings and peak memory, which depend on the machine) must be equal, and the final weights equal within 1e-6.
 """
 
 from __future__ import annotations
@@ -107,7 +107,10 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {
         r["step"]: {
-            k: v for k, v in r.items() if not k.startswith("timing/") and k != "perf/tokens_per_s"
+            k: v
+            for k, v in r.items()
+            if not k.startswith(("timing/", "perf/peak_", "perf/max_memory"))
+            and k != "perf/tokens_per_s"
         }
         for r in rows
     }
