@@ -109,11 +109,12 @@ def run(cfg: Config) -> RunResult:
 
     prepared = _prepare(cfg)  # bad input fails here, before Ray starts
     from trainer.netguard import apply_loopback_guard
+    from trainer.ppo import pool_count
     from trainer.runtime_env import get_runtime_env
     from trainer.workers.device import CPU_WORKERS
 
     apply_loopback_guard()
-    request, pools, workers = cfg.device_request, _pools(cfg), cfg.trainer.num_workers
+    request, pools, workers = cfg.device_request, pool_count(cfg), cfg.trainer.num_workers
     if workers:
         num_cpus = pools * workers
     elif request == "cpu":
@@ -134,11 +135,6 @@ def run(cfg: Config) -> RunResult:
         return _train(prepared)
     finally:
         ray.shutdown()
-
-
-def _pools(cfg: Config) -> int:
-    """Pools the run reserves: 2 when the critic has a pool of its own (colocate=none)."""
-    return 2 if cfg.use_critic and cfg.trainer.colocate == "none" else 1
 
 
 def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:

@@ -198,6 +198,12 @@ def decode_responses(
     return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens)
 
 
+def pool_count(cfg: Config, colocate: bool | None = None) -> int:
+    """Pools a run reserves: 2 when the critic has a pool of its own (colocate=none), else 1."""
+    mode = "none" if colocate is False else cfg.trainer.colocate
+    return 2 if cfg.use_critic and mode == "none" else 1
+
+
 def plan_on_cluster(cfg: Config, pools: int = 1) -> None:
     """Settle ``trainer.device=auto`` and ``trainer.num_workers=0`` from the running Ray cluster.
 
@@ -237,7 +243,7 @@ def build_worker_groups(
     from trainer.workers import ActorRolloutRefWorker, CriticWorker
 
     mode = "none" if colocate is False else cfg.trainer.colocate
-    plan_on_cluster(cfg, pools=2 if cfg.use_critic and mode == "none" else 1)
+    plan_on_cluster(cfg, pools=pool_count(cfg, colocate))
 
     def pool() -> ResourcePool:
         return ResourcePool([cfg.trainer.num_workers], use_gpu=cfg.trainer.use_gpu)
