@@ -41,6 +41,15 @@ class RolloutEngine(Protocol):
     def sync_weights(self) -> None: ...
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token: the count of attended tokens before it.
+
+    Left padding then does not shift positions, and neither do the holes a
+    multi-turn episode leaves between turns.
+    """
+    return (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
+
+
 def finish_responses(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -75,7 +84,7 @@ def finish_responses(
         response_mask[:, n:] = 0
     resp = torch.where(response_mask.bool(), resp, torch.full_like(resp, pad_token_id))
     attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
+    position_ids = positions_from_mask(attention_mask)
     return TensorDict(
         {
             "prompts": prompt_ids,

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from trainer.rollout.base import RolloutEngine, SamplingParams
+from trainer.rollout.base import RolloutEngine, SamplingParams, positions_from_mask
 from trainer.tools import CallOutcome, Tool, ToolCallParser, ToolExecutor
 
 _HOLE = "\x00{}\x00"  # placeholder for a tool message's content inside a rendered frame
@@ -317,7 +317,7 @@ class MultiTurnRollout:
                 "responses": resp,
                 "input_ids": torch.cat([ids, resp], dim=1),
                 "attention_mask": attention_mask,
-                "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp_min(0),
+                "position_ids": positions_from_mask(attention_mask),
                 "response_mask": gen_mask,
                 "finished": torch.tensor([e.finished for e in episodes], device=device),
                 "num_turns": torch.tensor([e.turns for e in episodes], device=device),
