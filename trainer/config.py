@@ -115,6 +115,10 @@ class ActorConfig:
     micro_batch_tokens: int = 16384
     """With micro_batch_size=0: tokens (padded rows x length) per forward/backward on one
     worker, so the number of passes follows the work (verl's ppo_max_token_len_per_gpu)."""
+    share_prompt: str = "auto"
+    """auto, true or false: compute each distinct prompt once for all its responses (a
+    prompt pass, then a response pass over its key/value cache); auto shares when
+    rollout.n > 1. Same log-probs and gradients as the full pass, fewer tokens."""
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
@@ -373,6 +377,10 @@ def validate(cfg: Config) -> None:
             not sec.offload or sec.strategy != "ddp",
             f"{name}.offload=true with {name}.strategy=ddp: offload needs fsdp2 (or auto on CUDA)",
         )
+    _need(
+        str(a.share_prompt).lower() in ("auto", "true", "false"),
+        f"actor.share_prompt={a.share_prompt!r}: choose 'auto', 'true' or 'false'",
+    )
     _validate_multi_turn(cfg)
     _need(t.total_steps >= 1, f"trainer.total_steps={t.total_steps}: must be >= 1")
     _need(t.num_workers >= 0, f"trainer.num_workers={t.num_workers}: must be >= 0 (0 means auto)")

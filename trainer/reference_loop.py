@@ -37,7 +37,12 @@ from trainer.ppo import (
 )
 from trainer.rollout import build_engine
 from trainer.workers.compute import compute_log_probs, compute_values, update_policy, update_value
-from trainer.workers.settings import policy_settings, sampling_params, value_settings
+from trainer.workers.settings import (
+    policy_settings,
+    sampling_params,
+    share_prompt,
+    value_settings,
+)
 from trainer.workers.setup import build_actor, build_critic, build_optimizer
 
 
@@ -110,7 +115,7 @@ class ReferenceLoop:
         )
         scores = score_responses(self.reward_fn, texts, gts, extras, finished)
         rewards = token_level_rewards(scores, mask)
-        mb = (cfg.actor.micro_batch_size, cfg.actor.micro_batch_tokens)
+        mb = (cfg.actor.micro_batch_size, cfg.actor.micro_batch_tokens, share_prompt(cfg))
         metrics: dict[str, float] = {}
         if needs_old_log_prob_pass(cfg):
             old, entropy = compute_log_probs(

@@ -5,7 +5,8 @@ needs the group, and returns what the test process checks against a plain,
 unsharded, single-process model:
 
 - update equivalence: 2 sharded ranks, each with half the batch in
-  micro-batches, end with the parameters of 1 process on the whole batch;
+  micro-batches, end with the parameters of 1 process on the whole batch,
+  with and without the shared-prompt forward;
 - generation and scoring inside :func:`gathered_for_inference` with a
   different number of forwards per rank (would deadlock without it);
 - full state dict (and the checkpoint file) load into a plain HF model that
@@ -13,6 +14,8 @@ unsharded, single-process model:
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -48,11 +51,15 @@ def model_dir(tmp_path_factory):
 
 
 def _batch(model_dir: str) -> TensorDict:
-    """A rollout-shaped batch: varied response lengths, one left-padded prompt, off-policy."""
+    """A rollout-shaped batch: varied response lengths, one left-padded prompt, off-policy.
+
+    Each prompt is drawn twice (GRPO-shaped), so the shared-prompt update has
+    prompts to share on each rank's half.
+    """
     gen = torch.Generator().manual_seed(4)
-    prompts = torch.randint(7, 20, (ROWS, 5), generator=gen)
+    prompts = torch.randint(7, 20, (ROWS // 2, 5), generator=gen).repeat_interleave(2, 0)
     pmask = torch.ones(ROWS, 5, dtype=torch.long)
-    pmask[0, :2] = 0
+    pmask[:2, :2] = 0
     responses = torch.randint(7, 20, (ROWS, R), generator=gen)
     for i, n in enumerate(torch.randint(1, R + 1, (ROWS,), generator=gen).tolist()):
         if n < R:
@@ -98,7 +105,12 @@ def _rank_main(rank: int, world: int, model_dir: str, td: TensorDict, ckpt_dir: 
     update_policy(model, opt, shard, SETTINGS)  # move away from the saved state...
     load_training_state(ckpt_dir, "actor", rank, model, opt, None)  # ...and back
     restored = fsdp.full_state_dict(model)
+
+    # The shared-prompt update: two forwards per micro-batch on every rank, one backward.
+    shared = fsdp.shard_model(build_actor(model_dir), torch.device("cpu"))
+    update_policy(shared, _sgd(shared), shard, replace(SETTINGS, share_prompt=True))
     return {
+        "shared": fsdp.full_state_dict(shared),
         "metrics": metrics,
         "full": full,
         "restored": restored,
@@ -131,6 +143,9 @@ def test_fsdp2_on_two_gloo_ranks_matches_one_plain_process(model_dir, fsdp_run):
     for k, v in expected.items():
         torch.testing.assert_close(
             out[0]["full"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}"
+        )
+        torch.testing.assert_close(
+            out[0]["shared"][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"shared {k}: {m}"
         )
     moved = max(
         (out[0]["full"][k] - build_actor(model_dir).state_dict()[k]).abs().max() for k in expected

@@ -269,8 +269,9 @@ def batch(tok):
         return mt.generate(prompts_for(tok, ["a", "bb"]), SamplingParams(200))
 
 
-def test_loss_gradient_is_exactly_zero_at_tool_and_template_positions(model, batch):
-    logits = response_logits(model, batch, temperature=1.0)
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["full-pass", "shared-prompt"])
+def test_loss_gradient_is_exactly_zero_at_tool_and_template_positions(model, batch, share_prompt):
+    logits = response_logits(model, batch, temperature=1.0, share_prompt=share_prompt)
     logits.retain_grad()
     mask = batch["response_mask"]
     log_prob = token_log_probs(logits, batch["responses"])
@@ -288,9 +289,10 @@ def test_loss_gradient_is_exactly_zero_at_tool_and_template_positions(model, bat
     assert (grad[mask.bool()] > 0).all()
 
 
-def test_logits_across_turns_equal_each_conversation_run_alone(model, batch):
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["full-pass", "shared-prompt"])
+def test_logits_across_turns_equal_each_conversation_run_alone(model, batch, share_prompt):
     with torch.no_grad():
-        logits = response_logits(model, batch, temperature=1.0)
+        logits = response_logits(model, batch, temperature=1.0, share_prompt=share_prompt)
         p = batch["prompts"].shape[1]
         for i in range(batch.batch_size[0]):
             keep = batch["attention_mask"][i].bool()

@@ -28,7 +28,7 @@ from trainer.workers import fsdp
 from trainer.workers.compute import compute_log_probs, update_policy
 from trainer.workers.device import backend_for, worker_device
 from trainer.workers.memory import peak_memory_metrics
-from trainer.workers.settings import policy_settings, sampling_params
+from trainer.workers.settings import policy_settings, sampling_params, share_prompt
 from trainer.workers.setup import build_actor, build_optimizer
 from trainer.workers.state import load_training_state, save_training_state
 
@@ -129,6 +129,7 @@ class ActorRolloutRefWorker(Worker):
                 self.cfg.rollout.temperature,
                 self.cfg.actor.micro_batch_size,
                 self.cfg.actor.micro_batch_tokens,
+                share_prompt(self.cfg),
             )
         return lp.cpu(), ent.cpu()
 

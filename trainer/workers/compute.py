@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import algos
 from trainer import batch as batch_ops
+from trainer.workers.shared_prompt import shared_prompt_logits, supports_sharing
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class PolicyUpdateSettings:
     kl_loss_type: str = "k3"
     temperature: float = 1.0
     shuffle_seed: int = 0
+    share_prompt: bool = False
+    """One forward per distinct prompt (see :func:`response_logits`)."""
 
 
 @dataclass(frozen=True)
@@ -101,22 +104,29 @@ def _keeps_logits(model: torch.nn.Module) -> bool:
     return _KEEPS_LOGITS[kind]
 
 
-def response_logits(model: torch.nn.Module, batch: TensorDict, temperature: float) -> torch.Tensor:
+def response_logits(
+    model: torch.nn.Module, batch: TensorDict, temperature: float, share_prompt: bool = False
+) -> torch.Tensor:
     """Logits (B, R, V) predicting each response token, divided by ``temperature``.
 
     The token at sequence position t is predicted by the logits at t - 1, so
-    the response's predictions are positions P - 1 .. P + R - 2.
+    the response's predictions are positions P - 1 .. P + R - 2. With
+    ``share_prompt`` (and a model that takes a key/value cache) each distinct
+    prompt is computed once (:mod:`trainer.workers.shared_prompt`).
     """
-    r = _response_len(batch)
-    kwargs = {"logits_to_keep": r + 1} if _keeps_logits(model) else {}
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        **kwargs,
-    )
-    logits = out.logits[:, -r - 1 : -1, :].float()
+    if share_prompt and _keeps_logits(model) and supports_sharing(model):
+        logits = shared_prompt_logits(model, batch).float()
+    else:
+        r = _response_len(batch)
+        kwargs = {"logits_to_keep": r + 1} if _keeps_logits(model) else {}
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            **kwargs,
+        )
+        logits = out.logits[:, -r - 1 : -1, :].float()
     if temperature > 0:
         logits = logits / temperature
     return logits
@@ -138,6 +148,7 @@ def compute_log_probs(
     temperature: float,
     micro_batch_size: int,
     micro_batch_tokens: int = 0,
+    share_prompt: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies (B, R) of the batch's responses, no grad."""
     was_training = model.training
@@ -145,7 +156,7 @@ def compute_log_probs(
     try:
         lps, ents = [], []
         for mb in micro_batches(batch, micro_batch_size, micro_batch_tokens):
-            logits = response_logits(model, mb, temperature)
+            logits = response_logits(model, mb, temperature, share_prompt)
             lps.append(token_log_probs(logits, mb["responses"]))
             ents.append(algos.entropy_from_logits(logits))
     finally:
@@ -270,7 +281,7 @@ def update_policy(
             mini_loss = 0.0
             for micro in micro_batches(mini, s.micro_batch_size, s.micro_batch_tokens):
                 mask = micro["response_mask"]
-                logits = response_logits(model, micro, s.temperature)
+                logits = response_logits(model, micro, s.temperature, s.share_prompt)
                 log_prob = token_log_probs(logits, micro["responses"])
                 if on_policy:
                     old_log_prob = log_prob.detach()

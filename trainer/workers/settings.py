@@ -5,6 +5,7 @@ from __future__ import annotations
 from trainer.config import Config
 from trainer.rollout import SamplingParams
 from trainer.workers.compute import PolicyUpdateSettings, ValueUpdateSettings
+from trainer.workers.shared_prompt import share_prompt_enabled
 
 
 def policy_settings(cfg: Config, step: int) -> PolicyUpdateSettings:
@@ -26,7 +27,13 @@ def policy_settings(cfg: Config, step: int) -> PolicyUpdateSettings:
         kl_loss_type=a.kl_loss_type,
         temperature=cfg.rollout.temperature,
         shuffle_seed=cfg.seed * 1_000_003 + step,
+        share_prompt=share_prompt(cfg),
     )
+
+
+def share_prompt(cfg: Config) -> bool:
+    """Whether the actor and reference score each distinct prompt once (``actor.share_prompt``)."""
+    return share_prompt_enabled(cfg.actor.share_prompt, cfg.rollout.n)
 
 
 def value_settings(cfg: Config, step: int) -> ValueUpdateSettings:
