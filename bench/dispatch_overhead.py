@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     if any(w < 1 for w in args.workers) or args.reps < 1:
         parser.error("--workers and --reps must be positive")
-    ray.init(num_cpus=2 * max(args.workers), include_dashboard=False)
+    ray.init(address="local", num_cpus=2 * max(args.workers), include_dashboard=False)
     try:
         rows = [row for w in args.workers for row in _measure(w, args.reps)]
     finally:

@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     ray.init(
+        address="local",
         num_cpus=args.workers,
         num_gpus=args.workers if args.device == "cuda" else 0,
         include_dashboard=False,

@@ -103,34 +103,49 @@ class _Progress:
             self.bar.stop()
 
 
+def _local_cpus(cfg: Config) -> int:
+    """CPUs for a fresh local cluster: one per worker of every pool the run reserves."""
+    from trainer.ppo import pool_count
+    from trainer.workers.device import CPU_WORKERS
+
+    pools, workers = pool_count(cfg), cfg.trainer.num_workers
+    if workers:
+        return pools * workers
+    if cfg.device_request == "cpu":
+        return pools * CPU_WORKERS
+    # auto workers on a node whose GPUs Ray is about to count: room for one per GPU
+    return max(pools * CPU_WORKERS, os.cpu_count() or 1)
+
+
 def run(cfg: Config) -> RunResult:
-    """Train ``cfg`` on a fresh local Ray cluster and write the run's outputs."""
+    """Train ``cfg`` and write the run's outputs: on the cluster ``RAY_ADDRESS`` names, else a fresh local one.
+
+    ``ray job submit`` sets ``RAY_ADDRESS`` for its driver, so a submitted
+    ``python -m trainer`` joins the cluster it was submitted to.
+    """
     import ray
 
     prepared = _prepare(cfg)  # bad input fails here, before Ray starts
     from trainer.netguard import apply_loopback_guard
-    from trainer.ppo import pool_count
     from trainer.runtime_env import get_runtime_env
-    from trainer.workers.device import CPU_WORKERS
 
     apply_loopback_guard()
-    request, pools, workers = cfg.device_request, pool_count(cfg), cfg.trainer.num_workers
-    if workers:
-        num_cpus = pools * workers
-    elif request == "cpu":
-        num_cpus = pools * CPU_WORKERS
-    else:  # auto workers on a node whose GPUs Ray is about to count: room for one per GPU
-        num_cpus = max(pools * CPU_WORKERS, os.cpu_count() or 1)
-    ray.init(
-        num_cpus=cfg.trainer.ray_num_cpus or num_cpus,
-        # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
-        # build_worker_groups then plans on them; trainer.device=cpu hides them from Ray.
-        num_gpus=0 if request == "cpu" else None,
-        include_dashboard=False,
-        runtime_env=get_runtime_env(),
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
+    common = dict(runtime_env=get_runtime_env(), log_to_driver=False, logging_level="ERROR")
+    if os.environ.get("RAY_ADDRESS"):
+        # Submitted with `ray job submit` (or pointed at a cluster on purpose): join it.
+        ray.init(address=os.environ["RAY_ADDRESS"], **common)
+    else:
+        ray.init(
+            # "local": a fresh cluster, never the one a `ray start` recorded in
+            # ray_current_cluster (a crashed one leaves a stale address that fails this call).
+            address="local",
+            num_cpus=cfg.trainer.ray_num_cpus or _local_cpus(cfg),
+            # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
+            # build_worker_groups then plans on them; trainer.device=cpu hides them from Ray.
+            num_gpus=0 if cfg.device_request == "cpu" else None,
+            include_dashboard=False,
+            **common,
+        )
     try:
         return _train(prepared)
     finally:

@@ -199,7 +199,7 @@ class TrainerConfig:
     none (a pool of its own, as many workers again)."""
     ray_num_cpus: int = 0
     """CPUs for the local Ray cluster; 0 means one per worker (on a GPU node with
-    auto workers: the node's cores)."""
+    auto workers: the node's cores). Unused when RAY_ADDRESS names a cluster to join."""
     use_gpu: bool = False
     """One GPU per worker (NCCL); the CPU default uses gloo. Same as device=cuda."""
     device: str = "auto"

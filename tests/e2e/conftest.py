@@ -86,6 +86,7 @@ def _ray_start(
     try:
         runtime_env = get_runtime_env({**os.environ, **(host_env or {})})
         context = ray.init(
+            address="local",  # never a cluster a crashed `ray start` recorded
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,

@@ -34,7 +34,8 @@ def _ray_start(**overrides: Any) -> Iterator[None]:
     """Start a local Ray with small defaults and ``overrides``; stop it whatever happens."""
     import ray
 
-    ray.init(**{"num_cpus": 2, "include_dashboard": False, **overrides})
+    # "local": never the cluster a crashed `ray start` recorded in ray_current_cluster.
+    ray.init(**{"address": "local", "num_cpus": 2, "include_dashboard": False, **overrides})
     try:
         yield
     finally:
@@ -58,19 +59,22 @@ def ray_shared(ray_init_kwargs: dict[str, Any]) -> Iterator[None]:
 def trainer_cli(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., subprocess.CompletedProcess]]:
-    """``trainer_cli(*args, timeout=240)``: one ``python -m trainer`` subprocess, output captured."""
+    """``trainer_cli(*args, timeout=240, env=None)``: one ``python -m trainer`` subprocess,
+    output captured; ``env`` adds to (or overrides) its environment."""
     from trainer.models import ensure_tiny_model
 
     cache = tmp_path_factory.mktemp("cache")
     ensure_tiny_model(cache_dir=cache)
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
+    base_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    base_env.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
 
-    def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    def run(
+        *args: str, timeout: float = 240, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "trainer", *args],
-            env=env,
+            env={**base_env, **(env or {})},
             cwd=REPO,
             capture_output=True,
             text=True,

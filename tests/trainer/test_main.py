@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 
 def test_a_tiny_run_prints_where_its_outputs_are(trainer_cli, tmp_path):
+    """Also: the address a crashed ``ray start`` left behind does not stop a fresh run."""
     run_dir = tmp_path / "run"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # Ray socket paths must stay short
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")  # nothing listens
     proc = trainer_cli(
         "algo=grpo",
         f"trainer.run_dir={run_dir}",
@@ -20,7 +26,9 @@ def test_a_tiny_run_prints_where_its_outputs_are(trainer_cli, tmp_path):
         "rollout.n=2",
         "data.num_val_examples=4",
         "data.num_train_examples=16",
+        env={"RAY_TMPDIR": str(ray_tmp)},
     )
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert re.search(

@@ -6,6 +6,8 @@ submitted with ``--runtime-env-json`` setting ``NCCL_DEBUG=INFO`` (our default
 is ``WARN``) and a ``working_dir``. The driver calls
 ``ray.init(runtime_env=get_runtime_env())``: without the layering Ray would
 refuse the merge; with it the job succeeds and its workers see ``INFO``.
+Then ``python -m trainer`` itself is submitted: it must join the cluster it
+was submitted to (Ray gives the job ``RAY_ADDRESS``) and train a step there.
 
 The cluster is stopped whatever happens. Not with ``ray stop``: that stops
 *every* Ray process on the machine, including clusters of tests running in
@@ -49,6 +51,21 @@ _PORT_OPTIONS = (
     "--node-manager-port",
     "--object-manager-port",
 )
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: The smallest ``python -m trainer`` run: one step of 2 prompts x 2 responses.
+TINY_RUN = [
+    "algo=grpo",
+    "trainer.total_steps=1",
+    "trainer.val_every=0",
+    "trainer.progress=false",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=2",
+    "data.num_train_examples=8",
+    "data.num_val_examples=2",
+]
 
 DRIVER = """
 import json, os
@@ -164,9 +181,10 @@ def _ray_head(temp_dir: Path, log: Path) -> Iterator[RayHead]:
         _stop(head, cluster.tree)
 
 
-def _submit(url: str, working_dir: Path, timeout_s: float) -> subprocess.CompletedProcess:
+def _submit(
+    url: str, runtime_env: dict, entrypoint: list[str], timeout_s: float
+) -> subprocess.CompletedProcess:
     """``ray job submit``, retried while the job agent has not registered yet."""
-    runtime_env = {"env_vars": {"NCCL_DEBUG": "INFO"}, "working_dir": str(working_dir)}
     command = [
         RAY,
         "job",
@@ -176,8 +194,7 @@ def _submit(url: str, working_dir: Path, timeout_s: float) -> subprocess.Complet
         "--runtime-env-json",
         json.dumps(runtime_env),
         "--",
-        sys.executable,
-        "driver.py",
+        *entrypoint,
     ]
     deadline = time.monotonic() + timeout_s
     while True:
@@ -206,7 +223,18 @@ def test_ray_job_submit_runtime_env_wins_and_cluster_is_stopped(tmp_path):
     temp_dir = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))
     try:
         with _ray_head(temp_dir, tmp_path / "head.log") as cluster:
-            done = _submit(cluster.url, working_dir, timeout_s=180)
+            runtime_env = {"env_vars": {"NCCL_DEBUG": "INFO"}, "working_dir": str(working_dir)}
+            done = _submit(cluster.url, runtime_env, [sys.executable, "driver.py"], 180)
+            # The trainer itself as a job: it joins the cluster (Ray sets RAY_ADDRESS).
+            trainer_env = {
+                "env_vars": {"PYTHONPATH": str(REPO), "TRAINER_CACHE": str(tmp_path / "cache")}
+            }
+            trained = _submit(
+                cluster.url,
+                trainer_env,
+                [sys.executable, "-m", "trainer", *TINY_RUN, f"trainer.run_dir={tmp_path / 'run'}"],
+                180,
+            )
         assert len(cluster.tree) >= 3, "expected gcs, raylet, dashboard, ... in the tree"
         assert [p.pid for p in cluster.tree if p.is_running()] == []
         assert _processes_mentioning(str(temp_dir)) == []
@@ -219,5 +247,8 @@ def test_ray_job_submit_runtime_env_wins_and_cluster_is_stopped(tmp_path):
             assert seen["NCCL_DEBUG"] == "INFO"  # the job's value, not our WARN
             assert seen["TOKENIZERS_PARALLELISM"] == "true"  # our default still applies
             assert seen["marker_in_cwd"] is True  # the job's working_dir
+        assert trained.returncode == 0, (trained.stdout + trained.stderr)[-5000:]
+        assert "trainer: done: 1 steps" in trained.stdout
+        assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
