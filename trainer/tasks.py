@@ -69,14 +69,19 @@ def _add(rng: random.Random) -> Example:
     return Example(prompt=f"{a}+{b}=", ground_truth=str(a + b))
 
 
-LOOKUP_KEYS = 10
+LOOKUP_KEYS = 5
+LOOKUP_VALUES = "56789"
+"""Keys 0-4, values 5-9: a value never looks like a key, so using the result means
+answering the digit the tool returned, not telling it apart from the question's
+digit by position. With keys and values both 0-9, seeds needed 50-100+ steps to
+start copying; with them apart, 50 steps to 0.9 (docs/trainer.md)."""
 LOOKUP_TOOL_WEIGHT = 0.3
 """Weight of the tool credit in :func:`lookup_reward` (0.5 left answers empty, see docs)."""
 
 
 def _lookup(rng: random.Random) -> Example:
     """``key=`` -> the value under ``key`` in a table drawn for this example alone."""
-    table = {str(k): str(rng.randrange(10)) for k in range(LOOKUP_KEYS)}
+    table = {str(k): rng.choice(LOOKUP_VALUES) for k in range(LOOKUP_KEYS)}
     key = rng.randrange(LOOKUP_KEYS)
     return Example(
         prompt=[{"role": "user", "content": f"{key}="}],
@@ -99,7 +104,7 @@ def lookup_reward(
     when it made any call (another key, a malformed call). This shaping lets
     a random-init policy find the call: without it, calling pays only once the
     model has also learned to copy the result, which it cannot learn without
-    calling, while a guessed digit is right one time in ten. A right answer
+    calling, while a guessed value is right one time in five. A right answer
     scores 1 either way; 0.9 on average needs nearly every answer right.
     """
     tool = (tool_rewards or {}).get("lookup", 0.0) or (0.2 if tool_calls else 0.0)
