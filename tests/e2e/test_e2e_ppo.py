@@ -203,8 +203,9 @@ def test_kl_in_reward_measures_the_policy_drifting_from_the_reference(
     coef = _metric(gae_colocated, "actor/kl_coef")
     assert all(math.isfinite(v) for v in kl + coef), kl
     assert all(c > 0 for c in coef), coef
-    # Step 1 samples from the initial policy, which is the reference: KL exactly 0.
-    assert kl[0] == 0.0, kl
+    # Step 1 samples from the initial policy, which is the reference: KL 0 up to float
+    # rounding (the frozen copy's shared-prompt pass can round its log-probs ~1e-7 apart).
+    assert abs(kl[0]) < 1e-6, kl
     # After updates the policy's log-probs differ from the frozen reference's.
     assert min(abs(v) for v in kl[1:]) > 0.0, kl
     assert sum(kl[-ENDS:]) / ENDS > 1e-4, kl
