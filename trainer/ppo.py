@@ -198,10 +198,14 @@ def decode_responses(
     return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens)
 
 
+def colocation_mode(cfg: Config, colocate: bool | None = None) -> str:
+    """``trainer.colocate``, or ``none`` when the caller passed ``colocate=False``."""
+    return "none" if colocate is False else cfg.trainer.colocate
+
+
 def pool_count(cfg: Config, colocate: bool | None = None) -> int:
     """Pools a run reserves: 2 when the critic has a pool of its own (colocate=none), else 1."""
-    mode = "none" if colocate is False else cfg.trainer.colocate
-    return 2 if cfg.use_critic and mode == "none" else 1
+    return 2 if cfg.use_critic and colocation_mode(cfg, colocate) == "none" else 1
 
 
 def plan_on_cluster(cfg: Config, pools: int = 1) -> None:
@@ -242,7 +246,7 @@ def build_worker_groups(
     from trainer.controller import ResourcePool, ResourcePoolManager, create_role_groups
     from trainer.workers import ActorRolloutRefWorker, CriticWorker
 
-    mode = "none" if colocate is False else cfg.trainer.colocate
+    mode = colocation_mode(cfg, colocate)
     plan_on_cluster(cfg, pools=pool_count(cfg, colocate))
 
     def pool() -> ResourcePool:

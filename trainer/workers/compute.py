@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import algos
 from trainer import batch as batch_ops
-from trainer.workers.shared_prompt import shared_prompt_logits, supports_sharing
+from trainer.workers.shared_prompt import shared_prompt_logits
 
 
 @dataclass(frozen=True)
@@ -89,19 +89,20 @@ def micro_batches(batch: TensorDict, rows: int, tokens: int = 0) -> tuple[Tensor
     return batch.split(rows)
 
 
-_KEEPS_LOGITS: dict[type, bool] = {}
+_FORWARD_TAKES: dict[tuple[type, str], bool] = {}
 
 
-def _keeps_logits(model: torch.nn.Module) -> bool:
-    """Whether ``model.forward`` can skip the LM head on prompt positions (HF ``logits_to_keep``).
+def _forward_takes(model: torch.nn.Module, argument: str) -> bool:
+    """Whether ``model.forward`` accepts ``argument`` (looked up once per model class).
 
-    The head over a large vocabulary is a big share of a forward pass; only the
-    response's R + 1 last positions are needed.
+    ``logits_to_keep`` (HF): the LM head can skip prompt positions, a big share
+    of a forward pass over a large vocabulary. ``past_key_values``: a pass can
+    continue from a key/value cache, which the shared-prompt pass needs.
     """
-    kind = type(model)
-    if kind not in _KEEPS_LOGITS:
-        _KEEPS_LOGITS[kind] = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return _KEEPS_LOGITS[kind]
+    key = (type(model), argument)
+    if key not in _FORWARD_TAKES:
+        _FORWARD_TAKES[key] = argument in inspect.signature(model.forward).parameters
+    return _FORWARD_TAKES[key]
 
 
 def response_logits(
@@ -114,11 +115,15 @@ def response_logits(
     ``share_prompt`` (and a model that takes a key/value cache) each distinct
     prompt is computed once (:mod:`trainer.workers.shared_prompt`).
     """
-    if share_prompt and _keeps_logits(model) and supports_sharing(model):
+    if (
+        share_prompt
+        and _forward_takes(model, "logits_to_keep")
+        and _forward_takes(model, "past_key_values")
+    ):
         logits = shared_prompt_logits(model, batch).float()
     else:
         r = _response_len(batch)
-        kwargs = {"logits_to_keep": r + 1} if _keeps_logits(model) else {}
+        kwargs = {"logits_to_keep": r + 1} if _forward_takes(model, "logits_to_keep") else {}
         out = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],

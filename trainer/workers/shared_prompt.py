@@ -16,12 +16,10 @@ configuration choice (``actor.share_prompt``), never a per-batch one.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from tensordict import TensorDict
 
-__all__ = ["prompt_groups", "share_prompt_enabled", "shared_prompt_logits", "supports_sharing"]
+__all__ = ["prompt_groups", "share_prompt_enabled", "shared_prompt_logits"]
 
 
 def share_prompt_enabled(setting: str, responses_per_prompt: int) -> bool:
@@ -50,17 +48,6 @@ def prompt_groups(
     first = torch.full((groups,), inverse.shape[0], dtype=rows.dtype, device=rows.device)
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")
     return first, inverse
-
-
-_SUPPORTS: dict[type, bool] = {}
-
-
-def supports_sharing(model: torch.nn.Module) -> bool:
-    """Whether ``model.forward`` takes a key/value cache (``past_key_values``) to continue from."""
-    kind = type(model)
-    if kind not in _SUPPORTS:
-        _SUPPORTS[kind] = "past_key_values" in inspect.signature(model.forward).parameters
-    return _SUPPORTS[kind]
 
 
 def shared_prompt_logits(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
