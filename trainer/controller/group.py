@@ -30,6 +30,9 @@ from trainer.controller.worker import Worker, WorkerContext
 
 __all__ = ["PendingCall", "RoleGroup", "create_role_groups"]
 
+DEATH_GRACE_S = 2.0
+"""After a rank fails, how long the driver waits for the others before naming one."""
+
 
 def _fetch_one(ref: Any, rank: int, role: str, method: str) -> Any:
     try:
@@ -51,16 +54,26 @@ def _gather(refs: Sequence[Any], ranks: Sequence[int], role: str, method: str) -
     ``ray.get`` of a list returns early as soon as one object is an error, so
     a rank that fails while the others block in a collective is reported at
     once instead of hanging the driver. The failing rank is then found among
-    the results already available.
+    the results available within :data:`DEATH_GRACE_S`: a rank whose process
+    died is named before ranks whose collectives failed because of it (their
+    "connection reset" can reach the driver before Ray reports the death).
     """
     try:
         return ray.get(list(refs))
     except (RayTaskError, RayActorError):
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=DEATH_GRACE_S)
         finished = set(ready)
+        errors: list[WorkerError] = []
         for ref, rank in zip(refs, ranks, strict=True):
             if ref in finished:
-                _fetch_one(ref, rank, role, method)
+                try:
+                    _fetch_one(ref, rank, role, method)
+                except WorkerDiedError:
+                    raise
+                except WorkerError as error:
+                    errors.append(error)
+        if errors:
+            raise errors[0] from None
         raise
 
 
