@@ -44,6 +44,7 @@ class CollectedFile:
     requirement: Requirement
     tests: tuple[str, ...]
     levels: tuple[Requirement, ...] = ()  # the distinct requirements of its tests
+    cached: bool = False  # taken from the collection cache, not collected this time
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Collection:
     files: list[CollectedFile] = field(default_factory=list)
     errors: list[CollectError] = field(default_factory=list)
     skipped: list[CollectError] = field(default_factory=list)  # whole modules skipped at import
+    keys: dict[str, str] = field(default_factory=dict)  # collection-cache key of each good module
 
 
 def plugin_args() -> list[str]:
@@ -90,8 +92,10 @@ def parse_report(payload: dict) -> Collection:
                 Requirement(entry["gpus"], entry["memory"]),
                 tuple(entry["tests"]),
                 tuple(Requirement(gpus, memory) for gpus, memory in entry.get("levels", [])),
+                bool(entry.get("cached", False)),
             )
         )
+    collection.keys = dict(payload.get("keys", {}))
     for entry in payload["errors"]:
         collection.errors.append(CollectError(entry["path"], entry["nodeid"], entry["message"]))
     for entry in payload.get("skipped", []):
@@ -134,8 +138,13 @@ def collect(
     pytest_args: Sequence[str],
     timeout: float,
     server: ForkServer | None = None,
+    cache: tuple[Path, str] | None = None,
 ) -> Collection:
-    """Run the collection (a child of the fork server, else a subprocess); what it found."""
+    """Run the collection (a child of the fork server, else a subprocess); what it found.
+
+    ``cache`` is the collection cache's path and the runner's context key
+    (``gpusched.collectcache``): files it still describes are not imported.
+    """
     fd, report_path = tempfile.mkstemp(prefix="gpusched-collect-", suffix=".json")
     os.close(fd)
     os.unlink(report_path)  # the plugin writes it atomically; absence means it never finished
@@ -147,6 +156,11 @@ def collect(
         "-q",
         *plugin_args(),
         f"--gpusched-report={report_path}",
+        *(
+            [f"--gpusched-cache={cache[0].resolve()}", f"--gpusched-context={cache[1]}"]
+            if cache is not None
+            else []
+        ),
         *pytest_args,
         *paths,
     ]

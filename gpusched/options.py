@@ -190,6 +190,17 @@ OPTIONS: tuple[Option, ...] = (
         "on|off",
     ),
     Option(
+        "collect_cache",
+        ("--collect-cache",),
+        _on_off,
+        True,
+        "on: the collection does not import files that did not change since the last run "
+        "(nor their conftests, ini or selection arguments) and takes what it found then "
+        "from .gpusched/collection.json; each such file's own process checks the "
+        "prediction and is queued again if its requirement changed; default on",
+        "on|off",
+    ),
+    Option(
         "preload",
         ("--preload",),
         _module_list,

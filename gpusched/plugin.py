@@ -4,7 +4,10 @@ Loaded by plain ``pytest`` through the ``pytest11`` entry point, so markers and
 skips work without gpusched. Under ``gpusched`` it also writes the collection
 report (``--gpusched-report``) and streams each test's outcome as it finishes
 (``--gpusched-results``), so a child that is killed or crashes keeps the
-outcomes of the tests it finished. All plugin state lives in ``config.stash``.
+outcomes of the tests it finished. With ``--gpusched-cache`` the collection
+skips files whose key is unchanged, and with ``--gpusched-expect`` a child checks
+such a cached prediction against its own collection (``gpusched.collectcache``).
+All plugin state lives in ``config.stash``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from typing import IO, Any
 import pytest
 import tomllib
 
+from gpusched.collectcache import (
+    EXIT_RECOLLECTED,
+    CachedFile,
+    base_key,
+    conftest_chain,
+    file_key,
+    load_cache,
+    parse_expectation,
+    tests_hash,
+)
 from gpusched.inventory import visible_gpu_count
 from gpusched.requirements import (
     SHORTHAND_MARKERS,
@@ -53,6 +66,12 @@ class _State:
     visible: int | None = None
     results: IO[str] | None = None
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    base: str | None = None  # the collection cache's base key; None: cache off
+    cache: dict[str, CachedFile] = field(default_factory=dict)  # by path relative to rootdir
+    keys: dict[str, str] = field(default_factory=dict)  # absolute path -> key, this session
+    hits: dict[str, CachedFile] = field(default_factory=dict)  # absolute path -> cached entry
+    collected: set[str] = field(default_factory=set)  # modules that collected without error
+    conftests: dict[Path, bytes] = field(default_factory=dict)
 
 
 STATE = pytest.StashKey[_State]()
@@ -70,6 +89,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="append one JSON line per test outcome to PATH, as each test finishes",
     )
+    group.addoption(
+        "--gpusched-cache",
+        metavar="PATH",
+        help="with --gpusched-report: do not import files whose entry in this collection "
+        "cache is still valid",
+    )
+    group.addoption(
+        "--gpusched-context",
+        metavar="HEX",
+        default="",
+        help="the runner's part of every collection-cache key",
+    )
+    group.addoption(
+        "--gpusched-expect",
+        metavar="GPUS:MEMORY:HASH",
+        help="stop before running if this file's requirement differs from this prediction",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -82,6 +118,15 @@ def pytest_configure(config: pytest.Config) -> None:
     for text in MARKER_HELP.values():
         config.addinivalue_line("markers", text)
     state = _State(globs=_load_globs(config))
+    cache = config.getoption("gpusched_cache", None)
+    if cache and not config.getoption("doctestmodules", False):
+        state.base = base_key(
+            config.getoption("gpusched_context", ""),
+            pytest.__version__,
+            _read(config.inipath),
+            _read(Path(config.rootpath) / "pyproject.toml"),
+        )
+        state.cache = load_cache(Path(cache))
     results = config.getoption("gpusched_results", None)
     if results:
         state.results = open(results, "a", encoding="utf-8")  # noqa: SIM115 - closed at unconfigure
@@ -94,6 +139,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if state is not None and state.results is not None:
         state.results.close()
         state.results = None
+
+
+def _read(path: Path | None) -> bytes | None:
+    try:
+        return None if path is None else Path(path).read_bytes()
+    except OSError:
+        return None
+
+
+class _CachedModule(pytest.File):
+    """A test file the collection cache already knows: collected as nothing, never imported."""
+
+    def collect(self) -> list[pytest.Item]:
+        return []
 
 
 def _load_globs(config: pytest.Config) -> dict[str, Requirement]:
@@ -175,8 +234,39 @@ class _SessionHooks:
             report.result = []
         return report
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pycollect_makemodule(
+        self, module_path: Path, parent: pytest.Collector
+    ) -> pytest.File | None:
+        """A file whose key the cache knows is not imported: its entry stands in for it."""
+        state = self.state
+        if state.base is None or module_path.name == "__init__.py":
+            return None
+        try:
+            conftests = []
+            for conftest in conftest_chain(module_path):
+                if conftest not in state.conftests:
+                    state.conftests[conftest] = conftest.read_bytes()
+                conftests.append(state.conftests[conftest])
+            key = file_key(state.base, module_path.read_bytes(), conftests)
+        except OSError:
+            return None
+        path = str(module_path.resolve())
+        state.keys[path] = key
+        try:
+            relative = Path(path).relative_to(Path(self.config.rootpath).resolve()).as_posix()
+        except ValueError:
+            return None
+        entry = state.cache.get(relative)
+        if entry is None or entry.key != key:
+            return None
+        state.hits[path] = entry
+        return _CachedModule.from_parent(parent, path=module_path)
+
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         path = str((Path(self.config.rootpath) / report.nodeid.split("::")[0]).resolve())
+        if report.passed and "::" not in report.nodeid and path in self.state.keys:
+            self.state.collected.add(path)
         if report.failed:
             self.state.errors.append(
                 {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr)}
@@ -189,6 +279,45 @@ class _SessionHooks:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         self.state.selected = list(items)
+        expect = self.config.getoption("gpusched_expect", None)
+        if expect:
+            self._check_expectation(expect)
+
+    def _check_expectation(self, expect: str) -> None:
+        """Compare this child's own collection with the cache's prediction (``--gpusched-expect``).
+
+        A different test list is streamed back; a different requirement also
+        stops the file before its first test, to be queued again on the right cards.
+        """
+        try:
+            expected, expected_tests = parse_expectation(expect)
+        except ValueError:
+            raise pytest.UsageError(f"--gpusched-expect={expect!r}: not GPUS:MEMORY:HASH") from None
+        tests = [item.nodeid for item in self.state.selected]
+        requirement, levels = Requirement(), []
+        for nodeid in tests:
+            level = self.state.requirements.get(nodeid, Requirement())
+            requirement = requirement.combine(level)
+            if [level.gpus, level.memory] not in levels:
+                levels.append([level.gpus, level.memory])
+        if requirement == expected and tests_hash(tests) == expected_tests:
+            return
+        _emit(
+            self.state,
+            {
+                "event": "collected",
+                "gpus": requirement.gpus,
+                "memory": requirement.memory,
+                "levels": levels,
+                "tests": tests,
+            },
+        )
+        if requirement != expected:
+            pytest.exit(
+                f"gpusched: this file needs {requirement.describe()}, not the "
+                f"{expected.describe()} the collection cache predicted: queued again",
+                returncode=EXIT_RECOLLECTED,
+            )
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         path = self.config.getoption("gpusched_report", None)
@@ -249,9 +378,21 @@ def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
         level = [requirement.gpus, requirement.memory]
         if level not in entry["levels"]:
             entry["levels"].append(level)
+    for file, cached in state.hits.items():
+        # pytest makes a node for every file of a directory it walks, and collects only
+        # those the arguments name: a hit counts only if its node was collected.
+        if cached.tests and file in state.collected:
+            files[file] = {
+                "gpus": cached.requirement.gpus,
+                "memory": cached.requirement.memory,
+                "tests": list(cached.tests),
+                "levels": [[level.gpus, level.memory] for level in cached.levels],
+                "cached": True,
+            }
     payload = {
         "rootdir": str(config.rootpath),
         "files": [{"path": p, **entry} for p, entry in files.items()],
+        "keys": {p: key for p, key in state.keys.items() if p in state.collected},
         "errors": state.errors,
         "skipped": state.skipped,
     }

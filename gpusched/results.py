@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
+from gpusched.requirements import Requirement
+
 
 class Outcome(StrEnum):
     """What happened to one file."""
@@ -94,6 +96,31 @@ def read_events(lines: Iterable[str]) -> tuple[list[TestResult], str | None, int
         elif kind == "finish":
             exitstatus = event["exitstatus"]
     return list(finished.values()), running, exitstatus
+
+
+@dataclass(frozen=True)
+class Recollected:
+    """What a child's own collection found where the collection cache predicted otherwise."""
+
+    requirement: Requirement
+    levels: tuple[Requirement, ...]
+    tests: tuple[str, ...]
+
+
+def read_recollection(lines: Iterable[str]) -> Recollected | None:
+    """The child's ``collected`` event (``--gpusched-expect`` found a difference), if any."""
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "collected":
+            return Recollected(
+                Requirement(event["gpus"], event["memory"]),
+                tuple(Requirement(gpus, memory) for gpus, memory in event["levels"]),
+                tuple(event["tests"]),
+            )
+    return None
 
 
 def describe_exit(returncode: int) -> str:

@@ -9,6 +9,7 @@ the policy only hears "this job is done, these cards are free".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import shutil
@@ -24,9 +25,19 @@ from typing import Protocol, TypeVar
 
 from gpusched.childenv import PortPool, card_env, child_env
 from gpusched.collect import plugin_args
+from gpusched.collectcache import EXIT_RECOLLECTED, parse_expectation
 from gpusched.forkclient import ForkedProcess, ForkServer, ServerGone
 from gpusched.proctree import KillReport, kill_job
-from gpusched.results import FAILING, FileResult, Outcome, TestResult, judge
+from gpusched.requirements import Requirement
+from gpusched.results import (
+    FAILING,
+    FileResult,
+    Outcome,
+    Recollected,
+    TestResult,
+    judge,
+    read_recollection,
+)
 from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
 from gpusched.warmstart import GATE_VARIABLE, Gate, prestart_env
 
@@ -69,6 +80,7 @@ class Finished:
     result: FileResult
     pids: frozenset[int] = frozenset()
     quarantined: tuple[str, ...] = ()
+    requeue: Recollected | None = None  # it stopped before its tests: needs other cards
 
 
 @dataclass(frozen=True)
@@ -170,8 +182,18 @@ class _Launch:
     args: list[str]
 
 
-def _launch(config: RunConfig, path: str, key: str, cards: tuple[str, ...], port: int) -> _Launch:
-    """Name the attempt's files and build its environment (creates its ``RAY_TMPDIR``)."""
+def _launch(
+    config: RunConfig,
+    path: str,
+    key: str,
+    cards: tuple[str, ...],
+    port: int,
+    expect: str | None = None,
+) -> _Launch:
+    """Name the attempt's files and build its environment (creates its ``RAY_TMPDIR``).
+
+    ``expect`` is the collection cache's prediction for the file, which its child checks.
+    """
     tag = f"{config.run_id}-{key}"
     stream = config.work_dir / f"{key}.jsonl"
     ray_tmpdir = tempfile.mkdtemp(prefix="gs", dir=config.tmp_root)
@@ -184,6 +206,8 @@ def _launch(config: RunConfig, path: str, key: str, cards: tuple[str, ...], port
         tag=tag,
     )
     args = [path, *plugin_args(), f"--gpusched-results={stream}", *config.pytest_args]
+    if expect is not None:
+        args.append(f"--gpusched-expect={expect}")
     return _Launch(
         tag, stream, config.log_dir / log_name(path, config.rootdir), ray_tmpdir, env, args
     )
@@ -232,10 +256,17 @@ class Runner:
         clock: Callable[[], float] = time.monotonic,
         forkserver: ForkServer | None = None,
         t0: float | None = None,
+        expect: Mapping[str, str] | None = None,
+        refit: Callable[[Requirement, tuple[Requirement, ...]], Requirement] | None = None,
     ) -> None:
+        """``expect``: the collection cache's prediction for each file it described; ``refit``
+        lowers a requirement a child found instead to what the inventory can run."""
         self.config = config
         self.policy = policy
-        self.tests = tests
+        self.tests = dict(tests)
+        self.expect = dict(expect or {})
+        self.refit = refit or (lambda requirement, levels: requirement)
+        self.recollected: set[str] = set()  # files whose child found the cache wrong
         self.reporter = reporter
         self.releaser = releaser or ImmediateRelease()
         self.clock = clock
@@ -357,9 +388,9 @@ class Runner:
                 case Started(job, cards, _pid, attempt):
                     self.running[job.id] = (job, self.clock())
                     self.reporter.started(job, cards, attempt)
-                case Finished(job, result, _pids, quarantined):
+                case Finished(job, result, _pids, quarantined, requeue):
                     self.running.pop(job.id, None)
-                    self._finished(job, result, quarantined)
+                    self._finished(job, result, quarantined, requeue)
                 case Interrupt(signum):
                     self._interrupt(signum)
                 case Tick():
@@ -417,10 +448,32 @@ class Runner:
                         )
                     )
 
-    def _finished(self, job: Job, result: FileResult, quarantined: tuple[str, ...]) -> None:
+    def _finished(
+        self,
+        job: Job,
+        result: FileResult,
+        quarantined: tuple[str, ...],
+        requeue: Recollected | None = None,
+    ) -> None:
         self.tasks.pop(job.id, None)
         self.report.quarantined.extend(quarantined)
         self.policy.complete(job.id, quarantined)
+        if requeue is not None:
+            if self.stopping:
+                self._record(
+                    FileResult(
+                        job.path,
+                        Outcome.NOT_RUN,
+                        tests=[_not_run(nodeid) for nodeid in requeue.tests],
+                        message="not started (stopping)",
+                    )
+                )
+                return
+            self.attempts[job.id] -= 1  # it ran no test: not an attempt
+            self.expect.pop(job.path, None)  # from now on the child's own collection is the truth
+            requirement = self.refit(requeue.requirement, requeue.levels)
+            self.policy.submit([dataclasses.replace(job, requirement=requirement)])
+            return
         attempt = self.attempts[job.id]
         if result.outcome in FAILING and attempt <= self.config.reruns and not self.stopping:
             self.first_failures.setdefault(job.id, result)
@@ -477,7 +530,12 @@ class Runner:
     async def _spawn(self, job: Job, attempt: int, cards: tuple[str, ...] | None) -> Child:
         """Start ``job``'s pytest process on ``cards``, or warm (``None``) behind a closed gate."""
         launch = _launch(
-            self.config, job.path, f"{job.id}-{attempt}", cards or (), self.ports.take()
+            self.config,
+            job.path,
+            f"{job.id}-{attempt}",
+            cards or (),
+            self.ports.take(),
+            self.expect.get(job.path),
         )
         tag, stream, log_path = launch.tag, launch.stream, launch.log_path
         ray_tmpdir, env, args = launch.ray_tmpdir, launch.env, launch.args
@@ -601,6 +659,7 @@ class Runner:
             except FileNotFoundError:
                 pass
         returncode = child.proc.returncode if child is not None else None
+        requeue = self._recollected(job, lines, returncode, timed_out is None and not interrupted)
         result = judge(
             job.path,
             self.tests.get(job.path, ()),
@@ -631,7 +690,25 @@ class Runner:
                 pass  # interrupted while waiting for the cards: the run is ending anyway
         if quarantined:
             result.message += f" (card(s) {','.join(quarantined)} quarantined)"
-        self.events.put_nowait(Finished(job, result, frozenset(pids), quarantined))
+        self.events.put_nowait(Finished(job, result, frozenset(pids), quarantined, requeue))
+
+    def _recollected(
+        self, job: Job, lines: Sequence[str], returncode: int | None, ended: bool
+    ) -> Recollected | None:
+        """Take in what the child found where the cache predicted otherwise; the requeue, if one.
+
+        Its test list replaces the cached one; a different requirement, with the
+        child stopped for it before its tests, means the file runs again.
+        """
+        found = read_recollection(lines)
+        expect = self.expect.get(job.path)
+        if found is None or expect is None:
+            return None
+        self.tests[job.path] = found.tests
+        self.recollected.add(job.path)
+        if not ended or returncode != EXIT_RECOLLECTED:
+            return None
+        return found if found.requirement != parse_expectation(expect)[0] else None
 
 
 async def _finish_anyway(awaitable: Awaitable[T]) -> T:

@@ -21,7 +21,16 @@ from typing import Any
 
 from gpusched.atomic import atomic_write
 from gpusched.childenv import PortPool, local_tmp_root, read_mounts
-from gpusched.collect import CollectedFile, Collection, CollectionFailed, collect
+from gpusched.collect import Collection, CollectionFailed, collect
+from gpusched.collectcache import (
+    CACHE_FILE,
+    CachedFile,
+    context_key,
+    expectation,
+    load_cache,
+    remembered,
+    save_cache,
+)
 from gpusched.earlystart import early_picks
 from gpusched.forkclient import ForkServer, ServerSpec, start_server
 from gpusched.history import (
@@ -65,6 +74,7 @@ class Prepared:
     selection: list[str]
     warnings: list[str] = field(default_factory=list)
     known: int = 0  # files whose expected duration comes from the history
+    expect: dict[str, str] = field(default_factory=dict)  # cached files: what their child checks
 
 
 def check_paths(paths: Sequence[str]) -> None:
@@ -82,13 +92,58 @@ def selection_args(settings: dict[str, Any]) -> list[str]:
     return args
 
 
-def runnable_requirement(entry: CollectedFile, cards: Sequence[Card]) -> Requirement:
-    """The file's requirement, lowered to the largest of its tests' that fits the inventory."""
-    return (
-        largest_fitting((entry.requirement,), cards)
-        or largest_fitting(entry.levels, cards)
-        or entry.requirement
-    )
+def runnable_requirement(
+    requirement: Requirement, levels: Sequence[Requirement], cards: Sequence[Card]
+) -> Requirement:
+    """A file's requirement, lowered to the largest of its tests' that fits the inventory."""
+    return largest_fitting((requirement,), cards) or largest_fitting(levels, cards) or requirement
+
+
+def collection_cache(
+    paths: Sequence[str], settings: dict[str, Any], args: Sequence[str]
+) -> tuple[Path, str] | None:
+    """The collection cache's path and context key, or None where it is off.
+
+    Off with ``--collect-cache off`` and when a path names tests inside a file
+    (``file::test``): the cache describes whole files.
+    """
+    if not settings.get("collect_cache", True) or any("::" in path for path in paths):
+        return None
+    return STATE_DIR / CACHE_FILE, context_key(args, os.environ.get("PYTEST_ADDOPTS"))
+
+
+def remember_collection(path: Path, collection: Collection) -> None:
+    """Store what this collection found, for the next run (``gpusched.collectcache``)."""
+    keys = collection.keys
+    files = [
+        (entry.path, CachedFile(keys[entry.path], entry.requirement, entry.tests, entry.levels))
+        for entry in collection.files
+        if entry.path in keys
+    ]
+    listed = {entry.path for entry in collection.files}
+    empty = [(p, key) for p, key in keys.items() if p not in listed]
+    rootdir = Path(collection.rootdir)
+    try:
+        save_cache(path, remembered(load_cache(path), files, empty, rootdir), rootdir)
+    except OSError:
+        pass  # only a cache: the next run collects everything again
+
+
+def forget_collected(path: Path, stale: Sequence[str], rootdir: str) -> None:
+    """Drop the cache entries of files whose child found them different from the cache."""
+    if not stale:
+        return
+    base = Path(rootdir).resolve()
+    entries = load_cache(path)
+    for file in stale:
+        try:
+            entries.pop(Path(file).relative_to(base).as_posix(), None)
+        except ValueError:
+            continue
+    try:
+        save_cache(path, entries, base)
+    except OSError:
+        pass
 
 
 def prepare(
@@ -115,16 +170,30 @@ def prepare(
     if on_inventory is not None:
         on_inventory(cards)
     selection = selection_args(settings)
-    collection = collect(paths, [*selection, *pytest_args], settings["collect_timeout"], server)
+    args = [*selection, *pytest_args]
+    cache = collection_cache(paths, settings, args)
+    collection = collect(paths, args, settings["collect_timeout"], server, cache)
+    if cache is not None:
+        remember_collection(cache[0], collection)
     history, warning = load_history(STATE_DIR / HISTORY_FILE)
     keys = [history_key(entry.path, collection.rootdir) for entry in collection.files]
     expected = expected_durations(history, keys)
     jobs = [
-        Job(index, entry.path, runnable_requirement(entry, cards), expected[key])
+        Job(
+            index,
+            entry.path,
+            runnable_requirement(entry.requirement, entry.levels, cards),
+            expected[key],
+        )
         for index, (entry, key) in enumerate(zip(collection.files, keys, strict=True))
     ]
     known = sum(1 for key in keys if key in history)
-    return Prepared(cards, collection, jobs, selection, [warning] if warning else [], known)
+    expect = {
+        entry.path: expectation(entry.requirement, entry.tests)
+        for entry in collection.files
+        if entry.cached
+    }
+    return Prepared(cards, collection, jobs, selection, [warning] if warning else [], known, expect)
 
 
 def collection_results(collection: Collection) -> list[FileResult]:
@@ -359,8 +428,13 @@ def _run_prepared(
             releaser,
             forkserver=server,
             t0=t0 if adopted else None,
+            expect=prepared.expect,
+            refit=lambda requirement, levels: runnable_requirement(requirement, levels, cards),
         )
         report = asyncio.run(runner.run(prepared.jobs, adopted))
+    cache = collection_cache(paths, settings, [*prepared.selection, *pytest_args])
+    if cache is not None:
+        forget_collected(cache[0], sorted(runner.recollected), prepared.collection.rootdir)
     if runner.forkserver_lost:
         reporter.say(
             f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"
