@@ -15,18 +15,18 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpusched import session
+from gpusched import STATE_DIR
 from gpusched.collect import CollectionFailed
-from gpusched.history import HISTORY_FILE, expected_durations, history_key, load_history
+from gpusched.forkclient import EarlyServer, start_early_server
 from gpusched.options import (
     PLAN_OPTIONS,
     UsageError,
     add_options,
+    check_paths,
     find_pyproject,
     load_table,
     resolve,
 )
-from gpusched.report import display_path
 from gpusched.shard import (
     ShardError,
     SuiteFile,
@@ -37,6 +37,9 @@ from gpusched.shard import (
     select,
     suite_sizes,
 )
+
+# The session's exit codes, here too so that a usage error needs no import of the session.
+EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE = 2, 3, 4
 
 SHARD_HELP = {
     "gpus_per_runner": "cards on this runner: it runs the files of the runner class of that size",
@@ -109,6 +112,9 @@ def suite_files(
     Files that failed collection or were skipped whole count as CPU files, so
     they still land in a shard and are reported there.
     """
+    from gpusched import session
+    from gpusched.history import HISTORY_FILE, expected_durations, history_key, load_history
+
     prepared = session.prepare(paths, settings, pytest_args)
     rootdir = prepared.collection.rootdir
     files = {
@@ -118,7 +124,7 @@ def suite_files(
     others = [e.path for e in [*prepared.collection.errors, *prepared.collection.skipped]]
     others = [path for path in dict.fromkeys(others) if path not in files]
     if others:
-        history, _ = load_history(session.STATE_DIR / HISTORY_FILE)
+        history, _ = load_history(STATE_DIR / HISTORY_FILE)
         keys = [history_key(path, rootdir) for path in others]
         expected = expected_durations(history, keys)
         files.update(
@@ -145,6 +151,9 @@ def _classes(files: dict[str, SuiteFile], sizes_text: str | None):
 
 def shard_command(namespace: argparse.Namespace, settings: dict, pytest_args: list[str]) -> int:
     """``gpusched shard``: print this runner's files, or run them with ``--run``."""
+    from gpusched import session
+    from gpusched.report import display_path
+
     files = suite_files(namespace.paths, settings, pytest_args)
     _, classes = _classes(files, namespace.runner_sizes)
     chosen = select(
@@ -167,6 +176,8 @@ def shard_command(namespace: argparse.Namespace, settings: dict, pytest_args: li
 
 def matrix_command(namespace: argparse.Namespace, settings: dict, pytest_args: list[str]) -> int:
     """``gpusched matrix``: one JSON line for a GitHub Actions ``strategy.matrix``."""
+    from gpusched import session
+
     files = suite_files(namespace.paths, settings, pytest_args)
     sizes, classes = _classes(files, namespace.runner_sizes)
     entries = matrix(list(files.values()), classes, namespace.shards)
@@ -177,6 +188,7 @@ def matrix_command(namespace: argparse.Namespace, settings: dict, pytest_args: l
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     pytest_args: list[str] = []
+    early: tuple[str, EarlyServer | None] | None = None
     if "--" in args:
         split = args.index("--")
         args, pytest_args = args[:split], args[split + 1 :]
@@ -191,26 +203,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             names,
             str(pyproject) if pyproject else "pyproject.toml",
         )
+        if namespace.command == "run":
+            check_paths(namespace.paths)  # a typo is an error at once, not after the server starts
+            early = start_early_server(namespace.paths, settings, STATE_DIR / "logs")
+        from gpusched import session
+
         if namespace.command == "plan":
             return session.plan(namespace.paths, settings, pytest_args)
         if namespace.command == "shard":
             return shard_command(namespace, settings, pytest_args)
         if namespace.command == "matrix":
             return matrix_command(namespace, settings, pytest_args)
-        return session.run(namespace.paths, settings, pytest_args)
+        return session.run(namespace.paths, settings, pytest_args, early=early)
     except (UsageError, ShardError) as exc:
         print(f"gpusched: error: {exc}", file=sys.stderr)
-        return session.EXIT_USAGE
+        return EXIT_USAGE
     except CollectionFailed as exc:
         print(f"gpusched: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("gpusched: interrupted", file=sys.stderr)
-        return session.EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED
     except Exception:
         traceback.print_exc()
         print("gpusched: internal error", file=sys.stderr)
-        return session.EXIT_INTERNAL
+        return EXIT_INTERNAL
+    finally:
+        if early is not None and early[1] is not None:
+            early[1].discard()  # the run ended before the session took it over
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +78,8 @@ def plugin_args() -> list[str]:
 @functools.cache
 def _entry_point_registered() -> bool:
     """Whether the ``pytest11`` entry point names the plugin (scanning them costs ~10 ms: once)."""
+    from importlib.metadata import entry_points  # not at import: the fork server starts sooner
+
     return any(ep.value == "gpusched.plugin" for ep in entry_points(group="pytest11"))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,13 @@ from gpusched.requirements import RequirementError, parse_memory
 
 class UsageError(Exception):
     """Bad input from the user: gpusched exits with code 4 and this message."""
+
+
+def check_paths(paths: Sequence[str]) -> None:
+    """Every path given on the command line exists (``file::test`` names its file)."""
+    for path in paths:
+        if not os.path.exists(path.split("::")[0]):
+            raise UsageError(f"path {path!r} does not exist")
 
 
 def _positive_float(text: str) -> float:

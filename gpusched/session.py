@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpusched import STATE_DIR
 from gpusched.atomic import atomic_write
 from gpusched.childenv import PortPool, local_tmp_root, read_mounts
 from gpusched.collect import Collection, CollectionFailed, collect
@@ -32,7 +33,7 @@ from gpusched.collectcache import (
     save_cache,
 )
 from gpusched.earlystart import early_picks
-from gpusched.forkclient import ForkServer, ServerSpec, start_server
+from gpusched.forkclient import EarlyServer, ForkServer, ServerSpec, server_spec, start_server
 from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
@@ -42,8 +43,8 @@ from gpusched.history import (
     record_durations,
 )
 from gpusched.inventory import Card, InventoryError, discover, parse_simulate_spec
-from gpusched.options import UsageError
-from gpusched.preload import auto_preload, fork_unavailable, guess_rootdir
+from gpusched.options import UsageError, check_paths
+from gpusched.preload import guess_rootdir
 from gpusched.release import release_check
 from gpusched.report import (
     ConsoleReporter,
@@ -61,7 +62,6 @@ from gpusched.runner import Child, RunConfig, Runner, start_early, stop_early
 from gpusched.scheduler import Job, largest_fitting, simulate
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
-STATE_DIR = Path(".gpusched")
 
 
 @dataclass
@@ -75,12 +75,6 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
     known: int = 0  # files whose expected duration comes from the history
     expect: dict[str, str] = field(default_factory=dict)  # cached files: what their child checks
-
-
-def check_paths(paths: Sequence[str]) -> None:
-    for path in paths:
-        if not os.path.exists(path.split("::")[0]):
-            raise UsageError(f"path {path!r} does not exist")
 
 
 def selection_args(settings: dict[str, Any]) -> list[str]:
@@ -240,35 +234,31 @@ def exit_code(results: Sequence[FileResult], interrupted: bool) -> int:
 
 @contextlib.contextmanager
 def fork_server(
-    paths: Sequence[str], settings: dict[str, Any], run_id: str, reporter: ConsoleReporter
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    run_id: str,
+    reporter: ConsoleReporter,
+    early: EarlyServer | None = None,
 ) -> Iterator[ForkServer | None]:
     """The run's fork server, or None (``--fork-server off``, or unsafe: said once, here).
 
-    Closed, with anything left of it, when the block ends.
+    ``early`` is the server the command line already started for this run
+    (``start_early_server``). Closed, with anything left of it, when the block ends.
     """
     if not settings.get("fork_server", True):
         yield None
         return
     fresh = "; every file starts a fresh python -m pytest"
-    why = fork_unavailable()
-    if why:
-        reporter.say(f"gpusched: fork server off: {why}{fresh}")
+    if early is not None:
+        early.taken = True
+        spec: ServerSpec | str = early.spec
+    else:
+        spec = server_spec(paths, settings, run_id, STATE_DIR / "logs")
+    if isinstance(spec, str):
+        reporter.say(f"gpusched: fork server off: {spec}{fresh}")
         yield None
         return
-    rootdir = guess_rootdir(paths, Path.cwd())
-    log_dir = STATE_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    preload = tuple(settings.get("preload", ()))
-    startup = start_server(
-        ServerSpec(
-            preload,
-            tuple(name for name in auto_preload(paths, rootdir) if name not in preload),
-            os.environ,
-            log_dir / "forkserver.log",
-            run_id,
-            settings["collect_timeout"],
-        )
-    )
+    startup = start_server(spec, early.server if early is not None else None)
     for note in startup.notes:
         reporter.say(f"gpusched: {note}")
     if startup.server is None:
@@ -286,17 +276,21 @@ def run(
     settings: dict[str, Any],
     pytest_args: Sequence[str],
     reporter: ConsoleReporter | None = None,
+    early: tuple[str, EarlyServer | None] | None = None,
 ) -> int:
-    """``gpusched run``: the whole main path. Returns the exit code."""
+    """``gpusched run``: the whole main path. Returns the exit code.
+
+    ``early``: the run id and fork server from ``start_early_server``.
+    """
     reporter = reporter or ConsoleReporter()
     if settings.get("per_test_timeout"):
         import importlib.util
 
         if importlib.util.find_spec("pytest_timeout") is None:
             raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
-    run_id = uuid.uuid4().hex[:10]
+    run_id, server_started = early if early is not None else (uuid.uuid4().hex[:10], None)
     try:
-        with fork_server(paths, settings, run_id, reporter) as server:
+        with fork_server(paths, settings, run_id, reporter, server_started) as server:
             return _run(paths, settings, pytest_args, reporter, server, run_id)
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted during collection")

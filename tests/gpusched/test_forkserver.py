@@ -433,3 +433,87 @@ def test_a_server_that_dies_during_collection_leaves_it_to_a_fresh_process(make_
     out, files = _run_killing_the_server(tmp_path, lambda server: bool(server.children()))
     assert [f["outcome"] for f in files] == ["PASSED", "PASSED"], out
     assert "later files started fresh processes" in out, out
+
+
+SERVER_FINALIZER = """
+import os, tempfile, weakref
+
+SCRATCH = tempfile.TemporaryDirectory(prefix="preloaded-")  # removed at exit by a finalizer
+
+
+class Holder:
+    pass
+
+
+HOLDER = Holder()
+weakref.finalize(HOLDER, lambda: open(os.environ["FINALIZED"], "a").write("server\\n"))
+"""
+
+USES_SCRATCH = """
+import os, weakref
+import finalizing
+
+
+class Mine:
+    pass
+
+
+MINE = Mine()
+weakref.finalize(MINE, lambda: open(os.environ["FINALIZED"], "a").write("child\\n"))
+
+
+def test_the_preloaded_scratch_directory_is_still_there():
+    assert os.path.isdir(finalizing.SCRATCH.name)
+"""
+
+
+def test_children_leave_the_servers_exit_finalizers_to_the_server(
+    make_suite, run_gpusched, tmp_path
+):
+    """A preload's temporary directory survives every child; a child's own finalizer runs."""
+    make_suite(
+        {
+            "finalizing.py": SERVER_FINALIZER,
+            **{f"test_s{i}.py": USES_SCRATCH for i in range(3)},
+        }
+    )
+    log = tmp_path / "finalized.log"
+    result = run_gpusched(
+        "run", ".", "--preload", "finalizing", "--cpu-slots", "1", FINALIZED=str(log)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fork server off" not in result.stdout
+    lines = log.read_text().split()
+    # Each process that imported a test module ran its own finalizer at exit: the
+    # collection child and the file's child, three files each.
+    assert lines.count("child") == 6
+    assert lines.count("server") == 1  # the server's ran once, when the server exited
+
+
+def test_a_run_that_fails_before_using_its_early_server_kills_it(make_suite, tmp_path, monkeypatch):
+    """The command line starts the server before the session; a usage error still ends it."""
+    import importlib.util
+
+    from gpusched import cli
+
+    make_suite({"test_a.py": "def test_a():\n    pass\n"})
+    monkeypatch.chdir(tmp_path)
+    started = []
+    real_start = cli.start_early_server
+
+    def spy(*args, **kwargs):
+        result = real_start(*args, **kwargs)
+        started.append(result[1])
+        return result
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(cli, "start_early_server", spy)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "pytest_timeout" else real_find(name, *rest),
+    )
+    assert cli.main(["run", ".", "--per-test-timeout", "5"]) == 4
+    (early,) = started
+    assert early is not None and not early.taken
+    assert early.server.proc.poll() is not None  # killed, not left to finish its imports
