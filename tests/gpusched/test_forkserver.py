@@ -517,3 +517,22 @@ def test_a_run_that_fails_before_using_its_early_server_kills_it(make_suite, tmp
     (early,) = started
     assert early is not None and not early.taken
     assert early.server.proc.poll() is not None  # killed, not left to finish its imports
+
+
+def test_a_childs_tests_see_the_real_installed_distributions(make_suite, run_gpusched):
+    """The server answers pytest's start-up from parsed metadata; the tests get the real thing."""
+    make_suite(
+        {
+            "test_meta.py": """
+                import importlib.metadata
+
+
+                def test_distributions_is_the_standard_function():
+                    assert importlib.metadata.distributions.__module__ == "importlib.metadata"
+                    assert importlib.metadata.version("pytest")
+                """
+        }
+    )
+    result = run_gpusched("run", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fork server off" not in result.stdout
