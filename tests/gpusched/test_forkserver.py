@@ -536,3 +536,29 @@ def test_a_childs_tests_see_the_real_installed_distributions(make_suite, run_gpu
     result = run_gpusched("run", ".")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fork server off" not in result.stdout
+
+
+def test_a_childs_config_is_its_own_with_or_without_p_arguments(make_suite, run_gpusched):
+    """Children start from a config the server prebuilt: their arguments and -p still count."""
+    make_suite(
+        {
+            "test_config.py": """
+                import os
+                from _pytest.config import get_config
+
+
+                def test_config_is_this_files(pytestconfig):
+                    args = pytestconfig.invocation_params.args
+                    assert any(arg.endswith("test_config.py") for arg in args)
+                    assert pytestconfig.invocation_params.dir == pytestconfig.rootpath
+                    blocked = pytestconfig.pluginmanager.is_blocked("cacheprovider")
+                    assert blocked == (os.environ.get("EXPECT_BLOCKED") == "1")
+                    assert get_config() is not pytestconfig  # a test gets a fresh one
+                """
+        }
+    )
+    plain = run_gpusched("run", ".")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    blocked = run_gpusched("run", ".", "--", "-p", "no:cacheprovider", EXPECT_BLOCKED="1")
+    assert blocked.returncode == 0, blocked.stdout + blocked.stderr
+    assert "fork server off" not in plain.stdout + blocked.stdout
