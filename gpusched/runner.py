@@ -660,6 +660,8 @@ class Runner:
                 pass
         returncode = child.proc.returncode if child is not None else None
         requeue = self._recollected(job, lines, returncode, timed_out is None and not interrupted)
+        if requeue is not None and child is not None:
+            child.stream.unlink(missing_ok=True)  # the next attempt reuses its name
         result = judge(
             job.path,
             self.tests.get(job.path, ()),
