@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpusched import STATE_DIR
+from gpusched import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, STATE_DIR
 from gpusched.collect import CollectionFailed
 from gpusched.forkclient import EarlyServer, start_early_server
 from gpusched.options import (
@@ -37,9 +37,6 @@ from gpusched.shard import (
     select,
     suite_sizes,
 )
-
-# The session's exit codes, here too so that a usage error needs no import of the session.
-EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE = 2, 3, 4
 
 SHARD_HELP = {
     "gpus_per_runner": "cards on this runner: it runs the files of the runner class of that size",
@@ -164,31 +161,29 @@ def shard_command(namespace: argparse.Namespace, settings: dict, pytest_args: li
     if not namespace.run:
         for path in paths:
             print(display_path(path))
-        return session.EXIT_OK
+        return EXIT_OK
     if not paths:
         print(
             f"gpusched: shard {namespace.index} of {namespace.shards} for "
             f"{namespace.gpus_per_runner}-card runners has no files"
         )
-        return session.EXIT_OK
+        return EXIT_OK
     return session.run(paths, settings, pytest_args)
 
 
 def matrix_command(namespace: argparse.Namespace, settings: dict, pytest_args: list[str]) -> int:
     """``gpusched matrix``: one JSON line for a GitHub Actions ``strategy.matrix``."""
-    from gpusched import session
-
     files = suite_files(namespace.paths, settings, pytest_args)
     sizes, classes = _classes(files, namespace.runner_sizes)
     entries = matrix(list(files.values()), classes, namespace.shards)
     print(json.dumps({"include": [entry.to_json(sizes) for entry in entries]}))
-    return session.EXIT_OK
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     pytest_args: list[str] = []
-    early: tuple[str, EarlyServer | None] | None = None
+    early: EarlyServer | None = None
     if "--" in args:
         split = args.index("--")
         args, pytest_args = args[:split], args[split + 1 :]
@@ -229,8 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpusched: internal error", file=sys.stderr)
         return EXIT_INTERNAL
     finally:
-        if early is not None and early[1] is not None:
-            early[1].discard()  # the run ended before the session took it over
+        if early is not None:
+            early.discard()  # the run ended before the session took it over
 
 
 if __name__ == "__main__":

@@ -121,18 +121,21 @@ def parse_cache(payload: object) -> dict[str, CachedFile]:
     return entries
 
 
+def entry_json(entry: CachedFile) -> dict:
+    """An entry as the collection report and the cache file write it (without its key)."""
+    return {
+        "gpus": entry.requirement.gpus,
+        "memory": entry.requirement.memory,
+        "tests": list(entry.tests),
+        "levels": [[level.gpus, level.memory] for level in entry.levels],
+    }
+
+
 def cache_payload(entries: Mapping[str, CachedFile]) -> dict:
     return {
         "version": VERSION,
         "files": {
-            path: {
-                "key": entry.key,
-                "gpus": entry.requirement.gpus,
-                "memory": entry.requirement.memory,
-                "tests": list(entry.tests),
-                "levels": [[level.gpus, level.memory] for level in entry.levels],
-            }
-            for path, entry in sorted(entries.items())
+            path: {"key": entry.key, **entry_json(entry)} for path, entry in sorted(entries.items())
         },
     }
 
@@ -171,13 +174,19 @@ def remembered(
     it are not cached.
     """
     updated = dict(entries)
-    base = rootdir.resolve()
     for path, entry in [
         *files,
         *((path, CachedFile(key, Requirement(), (), ())) for path, key in empty),
     ]:
-        try:
-            updated[Path(path).relative_to(base).as_posix()] = entry
-        except ValueError:
-            continue
+        relative = relative_key(path, rootdir)
+        if relative is not None:
+            updated[relative] = entry
     return updated
+
+
+def relative_key(path: str | Path, rootdir: str | Path) -> str | None:
+    """A cache entry's name: ``path`` relative to ``rootdir`` (both resolved), POSIX; None outside."""
+    try:
+        return Path(path).resolve().relative_to(Path(rootdir).resolve()).as_posix()
+    except ValueError:
+        return None

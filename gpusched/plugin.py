@@ -27,9 +27,11 @@ from gpusched.collectcache import (
     CachedFile,
     base_key,
     conftest_chain,
+    entry_json,
     file_key,
     load_cache,
     parse_expectation,
+    relative_key,
     tests_hash,
 )
 from gpusched.inventory import visible_gpu_count
@@ -253,11 +255,8 @@ class _SessionHooks:
             return None
         path = str(module_path.resolve())
         state.keys[path] = key
-        try:
-            relative = Path(path).relative_to(Path(self.config.rootpath).resolve()).as_posix()
-        except ValueError:
-            return None
-        entry = state.cache.get(relative)
+        relative = relative_key(path, self.config.rootpath)
+        entry = None if relative is None else state.cache.get(relative)
         if entry is None or entry.key != key:
             return None
         state.hits[path] = entry
@@ -293,25 +292,13 @@ class _SessionHooks:
             expected, expected_tests = parse_expectation(expect)
         except ValueError:
             raise pytest.UsageError(f"--gpusched-expect={expect!r}: not GPUS:MEMORY:HASH") from None
-        tests = [item.nodeid for item in self.state.selected]
-        requirement, levels = Requirement(), []
-        for nodeid in tests:
-            level = self.state.requirements.get(nodeid, Requirement())
-            requirement = requirement.combine(level)
-            if [level.gpus, level.memory] not in levels:
-                levels.append([level.gpus, level.memory])
-        if requirement == expected and tests_hash(tests) == expected_tests:
+        found = {"gpus": 0, "memory": None, "tests": [], "levels": []}
+        for entry in _file_entries(self.state.selected, self.state.requirements).values():
+            found = entry  # a child runs one file
+        requirement = Requirement(found["gpus"], found["memory"])
+        if requirement == expected and tests_hash(found["tests"]) == expected_tests:
             return
-        _emit(
-            self.state,
-            {
-                "event": "collected",
-                "gpus": requirement.gpus,
-                "memory": requirement.memory,
-                "levels": levels,
-                "tests": tests,
-            },
-        )
+        _emit(self.state, {"event": "collected", **found})
         if requirement != expected:
             pytest.exit(
                 f"gpusched: this file needs {requirement.describe()}, not the "
@@ -364,11 +351,13 @@ class _SessionHooks:
             )
 
 
-def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
-    """Write the collection report atomically: the scheduler never reads half a file."""
+def _file_entries(
+    items: list[pytest.Item], requirements: dict[str, Requirement]
+) -> dict[str, dict[str, Any]]:
+    """By file: its requirement (the most of its tests'), test ids, and its tests' distinct levels."""
     files: dict[str, dict[str, Any]] = {}
-    for item in state.selected:
-        requirement = state.requirements.get(item.nodeid, Requirement())
+    for item in items:
+        requirement = requirements.get(item.nodeid, Requirement())
         entry = files.setdefault(
             str(Path(item.path).resolve()), {"gpus": 0, "memory": None, "tests": [], "levels": []}
         )
@@ -378,17 +367,17 @@ def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
         level = [requirement.gpus, requirement.memory]
         if level not in entry["levels"]:
             entry["levels"].append(level)
+    return files
+
+
+def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
+    """Write the collection report atomically: the scheduler never reads half a file."""
+    files = _file_entries(state.selected, state.requirements)
     for file, cached in state.hits.items():
         # pytest makes a node for every file of a directory it walks, and collects only
         # those the arguments name: a hit counts only if its node was collected.
         if cached.tests and file in state.collected:
-            files[file] = {
-                "gpus": cached.requirement.gpus,
-                "memory": cached.requirement.memory,
-                "tests": list(cached.tests),
-                "levels": [[level.gpus, level.memory] for level in cached.levels],
-                "cached": True,
-            }
+            files[file] = {**entry_json(cached), "cached": True}
     payload = {
         "rootdir": str(config.rootpath),
         "files": [{"path": p, **entry} for p, entry in files.items()],

@@ -702,8 +702,8 @@ class Runner:
         Its test list replaces the cached one; a different requirement, with the
         child stopped for it before its tests, means the file runs again.
         """
-        found = read_recollection(lines)
         expect = self.expect.get(job.path)
+        found = None if expect is None else read_recollection(lines)
         if found is None or expect is None:
             return None
         self.tests[job.path] = found.tests

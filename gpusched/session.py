@@ -13,13 +13,19 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusched import STATE_DIR
+from gpusched import (
+    EXIT_EMPTY,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    STATE_DIR,
+)
 from gpusched.atomic import atomic_write
 from gpusched.childenv import PortPool, local_tmp_root, read_mounts
 from gpusched.collect import Collection, CollectionFailed, collect
@@ -29,11 +35,19 @@ from gpusched.collectcache import (
     context_key,
     expectation,
     load_cache,
+    relative_key,
     remembered,
     save_cache,
 )
 from gpusched.earlystart import early_picks
-from gpusched.forkclient import EarlyServer, ForkServer, ServerSpec, server_spec, start_server
+from gpusched.forkclient import (
+    EarlyServer,
+    ForkServer,
+    ServerSpec,
+    new_run_id,
+    server_spec,
+    start_server,
+)
 from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
@@ -61,8 +75,6 @@ from gpusched.results import FileResult, Outcome, TestResult
 from gpusched.runner import Child, RunConfig, Runner, start_early, stop_early
 from gpusched.scheduler import Job, largest_fitting, simulate
 
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INTERNAL, EXIT_USAGE, EXIT_EMPTY = 0, 1, 2, 3, 4, 5
-
 
 @dataclass
 class Prepared:
@@ -75,6 +87,7 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
     known: int = 0  # files whose expected duration comes from the history
     expect: dict[str, str] = field(default_factory=dict)  # cached files: what their child checks
+    cache: tuple[Path, str] | None = None  # the collection cache's path and context key
 
 
 def selection_args(settings: dict[str, Any]) -> list[str]:
@@ -127,15 +140,11 @@ def forget_collected(path: Path, stale: Sequence[str], rootdir: str) -> None:
     """Drop the cache entries of files whose child found them different from the cache."""
     if not stale:
         return
-    base = Path(rootdir).resolve()
     entries = load_cache(path)
     for file in stale:
-        try:
-            entries.pop(Path(file).relative_to(base).as_posix(), None)
-        except ValueError:
-            continue
+        entries.pop(relative_key(file, rootdir) or "", None)
     try:
-        save_cache(path, entries, base)
+        save_cache(path, entries, Path(rootdir))
     except OSError:
         pass
 
@@ -187,7 +196,9 @@ def prepare(
         for entry in collection.files
         if entry.cached
     }
-    return Prepared(cards, collection, jobs, selection, [warning] if warning else [], known, expect)
+    return Prepared(
+        cards, collection, jobs, selection, [warning] if warning else [], known, expect, cache
+    )
 
 
 def collection_results(collection: Collection) -> list[FileResult]:
@@ -276,11 +287,11 @@ def run(
     settings: dict[str, Any],
     pytest_args: Sequence[str],
     reporter: ConsoleReporter | None = None,
-    early: tuple[str, EarlyServer | None] | None = None,
+    early: EarlyServer | None = None,
 ) -> int:
     """``gpusched run``: the whole main path. Returns the exit code.
 
-    ``early``: the run id and fork server from ``start_early_server``.
+    ``early``: the fork server the command line started (``start_early_server``).
     """
     reporter = reporter or ConsoleReporter()
     if settings.get("per_test_timeout"):
@@ -288,9 +299,9 @@ def run(
 
         if importlib.util.find_spec("pytest_timeout") is None:
             raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
-    run_id, server_started = early if early is not None else (uuid.uuid4().hex[:10], None)
+    run_id = early.spec.run_id if early is not None else new_run_id()
     try:
-        with fork_server(paths, settings, run_id, reporter, server_started) as server:
+        with fork_server(paths, settings, run_id, reporter, early) as server:
             return _run(paths, settings, pytest_args, reporter, server, run_id)
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted during collection")
@@ -426,9 +437,8 @@ def _run_prepared(
             refit=lambda requirement, levels: runnable_requirement(requirement, levels, cards),
         )
         report = asyncio.run(runner.run(prepared.jobs, adopted))
-    cache = collection_cache(paths, settings, [*prepared.selection, *pytest_args])
-    if cache is not None:
-        forget_collected(cache[0], sorted(runner.recollected), prepared.collection.rootdir)
+    if prepared.cache is not None:
+        forget_collected(prepared.cache[0], sorted(runner.recollected), prepared.collection.rootdir)
     if runner.forkserver_lost:
         reporter.say(
             f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"

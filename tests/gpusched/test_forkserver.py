@@ -503,7 +503,7 @@ def test_a_run_that_fails_before_using_its_early_server_kills_it(make_suite, tmp
 
     def spy(*args, **kwargs):
         result = real_start(*args, **kwargs)
-        started.append(result[1])
+        started.append(result)
         return result
 
     real_find = importlib.util.find_spec
