@@ -66,6 +66,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import statistics
@@ -750,7 +751,47 @@ def print_learn(rows: list[tuple[int, Result, Result]]) -> None:
         f"\ntrainer reaches 0.9 in no more steps than TRL on {wins} of {len(rows)} seeds "
         "('-': not within --max-steps)"
     )
+    if len(rows) > 3:
+        c = compare_seeds([(steps_to(t.val, 0.9), steps_to(p.val, 0.9)) for _, t, p in rows])
+        print(
+            f"over {len(rows)} seeds: trainer fewer steps on {c.fewer}, equal on {c.equal}, "
+            f"more on {c.more} (two-sided sign test p = {c.p:.2f}); mean steps to 0.9 over the "
+            f"{c.both} seeds where both got there: trainer {c.mean_a:.1f}, TRL {c.mean_b:.1f}"
+        )
     print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+@dataclass(frozen=True)
+class SeedComparison:
+    """Paired steps-to-target over seeds: the win/tie/loss count, a sign test, means."""
+
+    fewer: int
+    equal: int
+    more: int
+    p: float
+    both: int
+    """Seeds where both reached the target; the means are over these."""
+    mean_a: float
+    mean_b: float
+
+
+def compare_seeds(pairs: list[tuple[int | None, int | None]]) -> SeedComparison:
+    """Compare (a, b) steps-to-target per seed; ``None`` means never reached (more than any).
+
+    The sign test asks how likely a split at least this uneven is when each
+    untied seed is a fair coin, i.e. when both systems learn alike.
+    """
+    never = float("inf")
+    a = [never if x is None else x for x, _ in pairs]
+    b = [never if y is None else y for _, y in pairs]
+    fewer = sum(x < y for x, y in zip(a, b, strict=True))
+    more = sum(x > y for x, y in zip(a, b, strict=True))
+    n, k = fewer + more, min(fewer, more)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    both = [(x, y) for x, y in pairs if x is not None and y is not None]
+    mean_a = statistics.fmean(x for x, _ in both) if both else float("nan")
+    mean_b = statistics.fmean(y for _, y in both) if both else float("nan")
+    return SeedComparison(fewer, len(pairs) - fewer - more, more, p, len(both), mean_a, mean_b)
 
 
 def main(argv: list[str] | None = None) -> int:
