@@ -125,6 +125,9 @@ class Shared:
     """trainer: actor.grad_clip; TRL: max_grad_norm."""
     clip_ratio: float = 0.2
     """trainer: actor.clip_ratio_low/high; TRL: epsilon/epsilon_high."""
+    grpo_std_eps: float = 1e-4
+    """(r - mean) / (std + eps). trainer: algorithm.grpo_std_eps (default 1e-6);
+    TRL: 1e-4, fixed in its code."""
     temperature: float = 1.0
     val_every: int = 0
     """0: no validation. trainer: trainer.val_every; TRL: our callback."""
@@ -170,6 +173,7 @@ def trainer_overrides(s: Shared, files: dict[str, str], run_dir: str) -> list[st
         "actor.loss_agg_mode=token-mean",
         "actor.use_kl_loss=false",
         "algorithm.use_kl_in_reward=false",
+        f"algorithm.grpo_std_eps={s.grpo_std_eps}",
         f"trainer.total_steps={s.steps}",
         f"trainer.val_every={s.val_every}",
         f"trainer.stop_at_val_reward={s.stop_at_val_reward}",

@@ -164,6 +164,9 @@ class AlgorithmConfig:
     kl_coef: float = 0.001
     target_kl: float = 0.1
     kl_horizon: int = 10000
+    grpo_std_eps: float = 1e-6
+    """Added to the group's std in algo=grpo's advantage (r - mean) / (std + eps);
+    verl's 1e-6. TRL's GRPOTrainer uses 1e-4 (bench/vs_trl.py sets that)."""
 
 
 @dataclass
@@ -347,6 +350,11 @@ def validate(cfg: Config) -> None:
     _need(
         cfg.algorithm.kl_penalty in KL_TYPES,
         f"algorithm.kl_penalty={cfg.algorithm.kl_penalty!r}: choose one of {KL_TYPES}",
+    )
+    _need(
+        cfg.algorithm.grpo_std_eps > 0,
+        f"algorithm.grpo_std_eps={cfg.algorithm.grpo_std_eps}: must be > 0 "
+        "(a group whose rewards are all equal has std 0)",
     )
     _need(
         cfg.algorithm.kl_ctrl in ("fixed", "adaptive"),

@@ -101,6 +101,7 @@ def compute_advantages(
     values: torch.Tensor | None,
     gamma: float,
     lam: float,
+    grpo_std_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns for ``algo`` (the estimators live in :mod:`trainer.algos`)."""
     if algo == "gae":
@@ -109,7 +110,7 @@ def compute_advantages(
         return algos.gae_advantages(token_rewards, values, response_mask, gamma, lam)
     if algo in ("grpo", "grpo_no_std"):
         return algos.grpo_advantages(
-            token_rewards, response_mask, group_ids, norm_by_std=algo == "grpo"
+            token_rewards, response_mask, group_ids, norm_by_std=algo == "grpo", eps=grpo_std_eps
         )
     if algo == "rloo":
         return algos.rloo_advantages(token_rewards, response_mask, group_ids)
@@ -414,6 +415,7 @@ class PPOTrainer:
                 values,
                 cfg.algorithm.gamma,
                 cfg.algorithm.lam,
+                cfg.algorithm.grpo_std_eps,
             )
         batch["advantages"], batch["returns"] = adv, returns
         update_batch = pad_for_update(batch, self.update_divisor)

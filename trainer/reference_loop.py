@@ -152,6 +152,7 @@ class ReferenceLoop:
             values,
             cfg.algorithm.gamma,
             cfg.algorithm.lam,
+            cfg.algorithm.grpo_std_eps,
         )
         batch["advantages"], batch["returns"] = adv, ret
         t_prep = time.perf_counter()

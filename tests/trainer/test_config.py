@@ -43,6 +43,7 @@ def test_dotted_overrides_are_typed():
         (["rollout.engine=sglang"], "rollout.engine"),
         (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode"),
         (["trainer.colocate=thread"], "trainer.colocate='thread'"),
+        (["algorithm.grpo_std_eps=0"], r"algorithm.grpo_std_eps=0.0: must be > 0"),
     ],
 )
 def test_bad_values_are_named(overrides, message):

@@ -108,6 +108,12 @@ def test_group_ids_advantages_and_explained_variance():
         compute_advantages("gae", rewards, mask, group_ids_for(2, 2), None, 1.0, 1.0)
     with pytest.raises(ValueError, match="unknown advantage"):
         compute_advantages("dqn", rewards, mask, group_ids_for(2, 2), None, 1.0, 1.0)
+    # (r - mean) / (std + eps), std unbiased: the pair (1, 0) has std sqrt(1/2)
+    for eps in (1e-6, 1e-4, 0.5):
+        adv, _ = compute_advantages(
+            "grpo", rewards, mask, group_ids_for(2, 2), None, 1.0, 1.0, grpo_std_eps=eps
+        )
+        assert adv[0, 0].item() == pytest.approx(0.5 / (0.5**0.5 + eps), rel=1e-6)
     ret = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert explained_variance(ret, ret, torch.ones(2, 2)) == pytest.approx(1.0)
     assert explained_variance(torch.zeros(2, 2), ret, torch.ones(2, 2)) == pytest.approx(0.0)
