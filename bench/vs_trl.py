@@ -16,8 +16,8 @@ timers). TRL is an optional extra: ``pip install -e '.[peer]'``.
 Equal work means: same model directory, prompts (same token ids: checked
 before anything runs), reward function on the same decoded text, batch
 (prompts x completions), response length, sampling, dtype, optimizer (AdamW,
-lr, betas, no weight decay, grad clip 1.0, constant lr) and one optimizer step
-per batch (trainer: ``algo=grpo actor.ppo_epochs=1
+lr, betas, no weight decay, grad clip 1.0, constant lr), the GRPO advantage
+epsilon (TRL's 1e-4) and one optimizer step per batch (trainer: ``algo=grpo actor.ppo_epochs=1
 actor.ppo_mini_batch_size=data.train_batch_size``; TRL: ``num_iterations=1,
 steps_per_generation=1, gradient_accumulation_steps=1``), no KL term, no
 activation checkpointing (TRL's default turns it on: a second forward pass
