@@ -1,26 +1,28 @@
-"""One GRPO update by the trainer and by TRL's ``GRPOTrainer`` on the same sampled batch.
+"""GRPO updates by the trainer and by TRL's ``GRPOTrainer`` on the same sampled batches.
 
 ``vs_trl.py --learn`` compares whole runs, in which each side samples its own
 responses, so a difference in steps to 0.9 may be a difference in the update
-or only a different draw. This script removes the draw. It samples one batch
-once (16 prompts x 8 responses with HF ``generate``), gives those very tokens
-to both sides, lets each take one optimizer step with ``vs_trl.Shared``'s
-settings, and compares what each did: the gradient just before the optimizer
-step (after clipping) and the parameters after it.
+or only a different draw. This script removes the draw. It samples the
+batches once (``--steps`` batches of 16 prompts x 8 responses, HF
+``generate`` from the initial model), gives those very tokens to both sides,
+lets each take one optimizer step per batch with ``vs_trl.Shared``'s settings,
+and compares what each did: the gradient just before every optimizer step
+(after clipping; from the second step on it also carries any difference in the
+optimizer's state) and the parameters after the last.
 
 - trainer: the real path of ``python -m trainer``: ``PPOTrainer.train_step``
   (rewards, GRPO advantages, padding) driving an ``ActorRolloutRefWorker``
   in its own process (FSDP2 over a gloo group of one, as with
   ``trainer.num_workers=1``), whose sampling is replaced by the fixed batch;
-- TRL: ``GRPOTrainer.train()`` for one step, with a ``rollout_func`` (TRL's
-  hook for custom generation) that returns the fixed batch.
+- TRL: ``GRPOTrainer.train()``, with a ``rollout_func`` (TRL's hook for
+  custom generation) that returns the fixed batches.
 
 Each side runs in its own subprocess. Rows reach the two sides in different
 orders, so sums run in different orders: equal updates agree to float
 rounding (relative difference around 1e-6), not bit for bit.
 
-    python bench/vs_trl_step.py                       # 663k-param Llama, seed 0
-    python bench/vs_trl_step.py --seed 3 --learn-model 128,256,4
+    python bench/vs_trl_step.py                       # 663k-param Llama, 3 steps, seed 0
+    python bench/vs_trl_step.py --seed 3 --steps 5
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ sys.path.insert(0, str(HERE))
 PROMPTS, COMPLETIONS, NEW_TOKENS = 16, 8, 8
 
 
-def shared(seed: int):
-    """The settings of ``vs_trl.py --learn``, for one step."""
+def shared(seed: int, steps: int):
+    """The settings of ``vs_trl.py --learn``, for ``steps`` steps."""
     from vs_trl import Shared
 
     return Shared(
@@ -52,7 +54,7 @@ def shared(seed: int):
         completions=COMPLETIONS,
         max_new_tokens=NEW_TOKENS,
         lr=1e-3,
-        steps=1,
+        steps=steps,
         seed=seed,
     )
 
@@ -60,8 +62,13 @@ def shared(seed: int):
 # --------------------------------------------------------------------------- the batch
 
 
-def sample_batch(files: dict[str, Any], seed: int) -> dict[str, list[list[int]]]:
-    """``COMPLETIONS`` raw samples (new tokens, EOS and padding kept) per training prompt."""
+def sample_batches(files: dict[str, Any], seed: int, steps: int) -> dict[str, list[list[int]]]:
+    """``steps * COMPLETIONS`` raw samples (new tokens, EOS and padding kept) per training prompt.
+
+    Every step uses each training prompt once (the file holds one batch of
+    prompts), so each side takes the next ``COMPLETIONS`` samples of a prompt
+    for each group of it: both see the same batches in the same step order.
+    """
     from transformers import AutoModelForCausalLM
 
     from trainer.models import load_tokenizer
@@ -69,7 +76,7 @@ def sample_batch(files: dict[str, Any], seed: int) -> dict[str, list[list[int]]]
     tok = load_tokenizer(files["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(files["model_dir"], dtype=torch.float32).eval()
     rows = [json.loads(line) for line in Path(files["train_file"]).read_text().splitlines()]
-    texts = [r["prompt"] for r in rows for _ in range(COMPLETIONS)]
+    texts = [r["prompt"] for _ in range(steps) for r in rows for _ in range(COMPLETIONS)]
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True)
     torch.manual_seed(seed)
@@ -100,9 +107,9 @@ def cut_after_eos(ids: list[int], eos: int) -> list[int]:
 
 
 def run_trainer(
-    files: dict[str, Any], batch_path: Path, out_path: Path, seed: int, extra: list[str]
+    files: dict[str, Any], batch_path: Path, out_path: Path, seed: int, steps: int, extra: list[str]
 ) -> None:
-    """One ``PPOTrainer.train_step`` on the fixed batch; saves gradients and parameters."""
+    """``PPOTrainer.train_step`` on each fixed batch; saves gradients and parameters."""
     from vs_trl import trainer_overrides
 
     from trainer.config import load_config
@@ -113,7 +120,9 @@ def run_trainer(
     from trainer.workers import ActorRolloutRefWorker, fsdp
 
     work = out_path.parent
-    cfg = load_config([*trainer_overrides(shared(seed), files, str(work / "trainer-run")), *extra])
+    cfg = load_config(
+        [*trainer_overrides(shared(seed, steps), files, str(work / "trainer-run")), *extra]
+    )
     torch.manual_seed(cfg.seed)
     path = resolve_model_path(cfg.model.path)
     tok = load_tokenizer(path)
@@ -125,13 +134,13 @@ def run_trainer(
         tuple(tok(text)["input_ids"]): [list(r) for r in rows]
         for text, rows in torch.load(batch_path).items()
     }
-    grads: dict[str, torch.Tensor] = {}
+    grads: list[dict[str, torch.Tensor]] = []
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
     def snapshot_grads(*_: Any) -> None:
-        grads.update({n: full(p.grad) for n, p in worker.actor.named_parameters()})
+        grads.append({n: full(p.grad) for n, p in worker.actor.named_parameters()})
 
     worker.optimizer.register_step_pre_hook(snapshot_grads)
 
@@ -153,20 +162,19 @@ def run_trainer(
     trainer = PPOTrainer(
         cfg, FixedBatchActor(), None, tok, train, val, resolve_reward_fn(cfg), max_new, 1
     )
-    metrics = trainer.train_step()
+    rewards = [trainer.train_step()["rollout/reward_mean"] for _ in range(steps)]
     assert not any(fixed.values()), "every fixed response is used exactly once"
     params = fsdp.full_state_dict(worker.actor)
-    torch.save(
-        {"grads": grads, "params": params, "reward_mean": metrics["rollout/reward_mean"]},
-        out_path,
-    )
+    torch.save({"grads": grads, "params": params, "rewards": rewards}, out_path)
 
 
 # --------------------------------------------------------------------------- TRL side
 
 
-def run_trl(files: dict[str, Any], batch_path: Path, out_path: Path, seed: int, _: Any) -> None:
-    """One ``GRPOTrainer`` step on the fixed batch (``rollout_func``); saves gradients and parameters."""
+def run_trl(
+    files: dict[str, Any], batch_path: Path, out_path: Path, seed: int, steps: int, _: Any
+) -> None:
+    """``GRPOTrainer`` steps on the fixed batches (``rollout_func``); saves gradients and parameters."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -200,16 +208,16 @@ def run_trl(files: dict[str, Any], batch_path: Path, out_path: Path, seed: int, 
         return out
 
     reward.__name__ = "shared_reward"
-    grads: dict[str, torch.Tensor] = {}
+    grads: list[dict[str, torch.Tensor]] = []
 
     class SnapshotGrads(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
 
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
-        args=GRPOConfig(**trl_config(shared(seed), str(out_path.parent / "trl-run"))),
+        args=GRPOConfig(**trl_config(shared(seed, steps), str(out_path.parent / "trl-run"))),
         train_dataset=load_dataset("json", data_files=files["train_file"], split="train"),
         processing_class=tok,
         callbacks=[SnapshotGrads()],
@@ -218,9 +226,9 @@ def run_trl(files: dict[str, Any], batch_path: Path, out_path: Path, seed: int, 
     trainer.train()
     assert not any(fixed.values()), "every fixed response is used exactly once"
     params = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    torch.save(
-        {"grads": grads, "params": params, "reward_mean": sum(rewards) / len(rewards)}, out_path
-    )
+    per_step = len(rewards) // steps
+    means = [sum(rewards[i : i + per_step]) / per_step for i in range(0, len(rewards), per_step)]
+    torch.save({"grads": grads, "params": params, "rewards": means}, out_path)
 
 
 # --------------------------------------------------------------------------- comparison
@@ -233,31 +241,41 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(t: dict[str, Any], p: dict[str, Any], before: dict[str, torch.Tensor]) -> int:
-    """Print the per-tensor and overall differences; 0 when the two steps agree to rounding."""
-    names = sorted(set(t["grads"]) & set(p["grads"]))
-    missing = sorted(set(t["grads"]) ^ set(p["grads"]))
+    """Print per-step gradient and final parameter differences; 0 when they agree to rounding."""
+    names = sorted(set(t["grads"][0]) & set(p["grads"][0]))
+    missing = sorted(set(t["grads"][0]) ^ set(p["grads"][0]))
     if missing:
         print(f"parameters only one side has: {missing}")
-    flat = {
-        k: torch.cat([d[n].flatten() for n in names]).double()
-        for k, d in (("t", t["grads"]), ("p", p["grads"]))
-    }
+    if len(t["grads"]) != len(p["grads"]):
+        print(f"optimizer steps: trainer {len(t['grads'])}, TRL {len(p['grads'])}")
+        return 1
+    print(
+        f"{'step':>4} | {'batch reward':>12} | {'grad norm (clipped)':>21} | "
+        f"{'grad rel. diff':>14} | {'1 - cosine':>10}"
+    )
+    print(f"{'':>4} | {'(both)':>12} | {'trainer':>10} {'TRL':>10} |")
+    ok = True
+    for step, (gt, gp, rt, rp) in enumerate(
+        zip(t["grads"], p["grads"], t["rewards"], p["rewards"], strict=True), 1
+    ):
+        ft = torch.cat([gt[n].flatten() for n in names]).double()
+        fp = torch.cat([gp[n].flatten() for n in names]).double()
+        g_rel = rel(ft, fp)
+        cos = float(torch.nn.functional.cosine_similarity(ft, fp, dim=0))
+        same_reward = abs(rt - rp) < 1e-9
+        print(
+            f"{step:>4} | {rt:12.6f}{'' if same_reward else f' vs {rp:.6f}'} | "
+            f"{ft.norm():10.6f} {fp.norm():10.6f} | {g_rel:14.2e} | {1 - cos:10.2e}"
+        )
+        ok = ok and same_reward and g_rel < 1e-4
     dt = torch.cat([(t["params"][n] - before[n]).flatten() for n in names])
     dp = torch.cat([(p["params"][n] - before[n]).flatten() for n in names])
-    g_rel, d_rel = rel(flat["t"], flat["p"]), rel(dt, dp)
-    worst = max(names, key=lambda n: rel(t["grads"][n], p["grads"][n]))
-    cos = float(torch.nn.functional.cosine_similarity(flat["t"], flat["p"], dim=0))
+    d_rel = rel(dt, dp)
     print(
-        f"mean reward of the batch        trainer {t['reward_mean']:.6f}   TRL {p['reward_mean']:.6f}"
+        f"\nparameter change after the last step (after - before): relative difference {d_rel:.2e}"
     )
-    print(
-        f"gradient norm (after clipping)  trainer {flat['t'].norm():.6f}   TRL {flat['p'].norm():.6f}"
-    )
-    print(f"gradient: relative difference {g_rel:.2e}, 1 - cosine {1 - cos:.2e}")
-    print(f"  worst tensor {worst}: {rel(t['grads'][worst], p['grads'][worst]):.2e}")
-    print(f"parameter change (after - before): relative difference {d_rel:.2e}")
-    ok = g_rel < 1e-4 and d_rel < 1e-3 and abs(t["reward_mean"] - p["reward_mean"]) < 1e-9
-    print("same update (to float rounding)" if ok else "DIFFERENT UPDATES")
+    ok = ok and d_rel < 1e-3
+    print("same updates (to float rounding)" if ok else "DIFFERENT UPDATES")
     return 0 if ok else 1
 
 
@@ -267,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", type=int, default=0, help="sampling seed of the batch (and both sides')"
     )
     ap.add_argument("--learn-model", default="128,256,4", metavar="HIDDEN,INTERMEDIATE,LAYERS")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps, one fixed batch each")
     ap.add_argument(
         "--trainer-override",
         action="append",
@@ -278,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side", choices=["trainer", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: must be >= 1")
     if args.side:  # a child: one side, in its own process
         work = Path(args.work)
         files = json.loads((work / "files.json").read_text())
@@ -287,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             work / "batch.pt",
             work / f"{args.side}.pt",
             args.seed,
+            args.steps,
             args.trainer_override,
         )
         return 0
@@ -307,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         files = {k: (str(v) if isinstance(v, Path) else v) for k, v in files.items()}
         (work / "files.json").write_text(json.dumps(files))
-        torch.save(sample_batch(files, args.seed), work / "batch.pt")
+        torch.save(sample_batches(files, args.seed, args.steps), work / "batch.pt")
         from transformers import AutoModelForCausalLM
 
         before = AutoModelForCausalLM.from_pretrained(files["model_dir"], dtype=torch.float32)
@@ -319,15 +341,17 @@ def main(argv: list[str] | None = None) -> int:
             "HF_DATASETS_OFFLINE": "1",
         }
         for side in ("trainer", "trl"):
-            cmd = [sys.executable, __file__, "--side", side, "--work", d, "--seed", str(args.seed)]
+            cmd = [sys.executable, __file__, "--side", side, "--work", d]
+            cmd += ["--seed", str(args.seed), "--steps", str(args.steps)]
             cmd += [f"--trainer-override={o}" for o in args.trainer_override]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
                 raise SystemExit(f"vs_trl_step: the {side} side failed (rc {proc.returncode})")
         print(
-            f"one GRPO step, {PROMPTS} prompts x {COMPLETIONS} responses sampled once (seed "
-            f"{args.seed}), {NEW_TOKENS} new tokens, model {args.learn_model}, lr 1e-3, clip 1.0\n"
+            f"{args.steps} GRPO steps, each on its own batch of {PROMPTS} prompts x {COMPLETIONS} "
+            f"responses sampled once (seed {args.seed}), {NEW_TOKENS} new tokens, model "
+            f"{args.learn_model}, lr 1e-3, clip 1.0\n"
         )
         return compare(torch.load(work / "trainer.pt"), torch.load(work / "trl.pt"), before_params)
 
