@@ -741,10 +741,9 @@ def print_learn(rows: list[tuple[int, Result, Result]]) -> None:
         f" {'wall s':>13} | {'last val':>13}"
     )
     print(f"{'':>4} |" + f" {'trainer':>7} {'TRL':>6} |" * 2 + f" {'trainer':>6} {'TRL':>6} |" * 3)
-    wins = 0
-    for seed, t, p in rows:
-        st, sp = steps_to(t.val, 0.9), steps_to(p.val, 0.9)
-        wins += st is not None and (sp is None or st <= sp)
+    pairs = [(steps_to(t.val, 0.9), steps_to(p.val, 0.9)) for _, t, p in rows]
+    wins = sum(st is not None and (sp is None or st <= sp) for st, sp in pairs)
+    for (seed, t, p), (st, sp) in zip(rows, pairs, strict=True):
         half = [str(steps_to(r.val, 0.5) or "-") for r in (t, p)]
         print(
             f"{seed:>4} | {str(st or '-'):>7} {str(sp or '-'):>6} | {half[0]:>7} {half[1]:>6} | "
@@ -756,7 +755,7 @@ def print_learn(rows: list[tuple[int, Result, Result]]) -> None:
         "('-': not within --max-steps)"
     )
     if len(rows) > 3:
-        c = compare_seeds([(steps_to(t.val, 0.9), steps_to(p.val, 0.9)) for _, t, p in rows])
+        c = compare_seeds(pairs)
         print(
             f"over {len(rows)} seeds: trainer fewer steps on {c.fewer}, equal on {c.equal}, "
             f"more on {c.more} (two-sided sign test p = {c.p:.2f}); mean steps to 0.9 over the "

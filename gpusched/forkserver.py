@@ -29,6 +29,7 @@ the socket stops the server; its children are the runner's to kill.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import importlib.metadata
@@ -99,28 +100,10 @@ class _RememberedDistribution(importlib.metadata.PathDistribution):
     server, they are inherited by every child.
     """
 
-    def __init__(self, path: Any) -> None:
-        super().__init__(path)
-        self._memo: dict[str, Any] = {}
-
-    def _remember(self, name: str, read: Any) -> Any:
-        if name not in self._memo:
-            self._memo[name] = read()
-        return self._memo[name]
-
-    @property
-    def metadata(self) -> Any:  # type: ignore[override]
-        return self._remember("metadata", lambda: super(_RememberedDistribution, self).metadata)
-
-    @property
-    def entry_points(self) -> Any:  # type: ignore[override]
-        return self._remember(
-            "entry_points", lambda: super(_RememberedDistribution, self).entry_points
-        )
-
-    @property
-    def files(self) -> Any:  # type: ignore[override]
-        return self._remember("files", lambda: super(_RememberedDistribution, self).files)
+    _base = importlib.metadata.PathDistribution
+    metadata = functools.cached_property(_base.metadata.fget)  # type: ignore[assignment]
+    entry_points = functools.cached_property(_base.entry_points.fget)  # type: ignore[assignment]
+    files = functools.cached_property(_base.files.fget)  # type: ignore[assignment]
 
 
 class RememberedDistributions:

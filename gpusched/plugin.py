@@ -292,9 +292,8 @@ class _SessionHooks:
             expected, expected_tests = parse_expectation(expect)
         except ValueError:
             raise pytest.UsageError(f"--gpusched-expect={expect!r}: not GPUS:MEMORY:HASH") from None
-        found = {"gpus": 0, "memory": None, "tests": [], "levels": []}
-        for entry in _file_entries(self.state.selected, self.state.requirements).values():
-            found = entry  # a child runs one file
+        files = _file_entries(self.state.selected, self.state.requirements)
+        found = next(iter(files.values()), _empty_entry())  # a child runs one file
         requirement = Requirement(found["gpus"], found["memory"])
         if requirement == expected and tests_hash(found["tests"]) == expected_tests:
             return
@@ -351,6 +350,11 @@ class _SessionHooks:
             )
 
 
+def _empty_entry() -> dict[str, Any]:
+    """A file's entry before any of its tests is seen: a CPU file with no tests."""
+    return {"gpus": 0, "memory": None, "tests": [], "levels": []}
+
+
 def _file_entries(
     items: list[pytest.Item], requirements: dict[str, Requirement]
 ) -> dict[str, dict[str, Any]]:
@@ -358,9 +362,7 @@ def _file_entries(
     files: dict[str, dict[str, Any]] = {}
     for item in items:
         requirement = requirements.get(item.nodeid, Requirement())
-        entry = files.setdefault(
-            str(Path(item.path).resolve()), {"gpus": 0, "memory": None, "tests": [], "levels": []}
-        )
+        entry = files.setdefault(str(Path(item.path).resolve()), _empty_entry())
         combined = Requirement(entry["gpus"], entry["memory"]).combine(requirement)
         entry["gpus"], entry["memory"] = combined.gpus, combined.memory
         entry["tests"].append(item.nodeid)
