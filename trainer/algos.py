@@ -379,6 +379,7 @@ def policy_loss(
     clip_c: float | None = 3.0,
     agg: str = "token-mean",
     norm: AggNorm | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual-clip, aggregated by :func:`aggregate`.
 
@@ -393,6 +394,10 @@ def policy_loss(
     ``pg_clipfrac_lower`` share where the dual-clip bound wins,
     ``ppo_kl`` mean of log(old/new) (k1 estimate of KL(old || new)),
     ``approx_kl`` mean of (r - 1) - log r (k3 estimate, never negative).
+
+    ``token_weights`` (no gradient) scale each token's loss before aggregation:
+    the truncated importance weights of a rollout engine's mismatch
+    (:func:`trainer.rollout_mismatch.tis_weights`).
     """
     _check_same_shape(
         old_log_prob=old_log_prob,
@@ -417,6 +422,9 @@ def policy_loss(
         bound = neg_adv * clip_c
         dual_hit = (advantages < 0) & (per_token > bound)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+    if token_weights is not None:
+        _check_same_shape(token_weights=token_weights, response_mask=response_mask)
+        per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, response_mask, agg, norm=norm)
     with torch.no_grad():
         metrics = {

@@ -15,6 +15,9 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+# One size syntax across the project ('256MiB', '40GB'); gpusched imports nothing heavy.
+from gpusched.requirements import parse_memory as parse_size
+
 ALGOS = ("gae", "grpo", "grpo_no_std", "rloo", "reinforce_pp")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "abs")
@@ -75,9 +78,13 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """hf (Hugging Face generate) or vllm (CUDA only; needs the vllm package)."""
-    gpu_memory_utilization: float = 0.5
-    """vllm: fraction of each card vLLM may take (weights + KV cache) while awake."""
+    """hf (Hugging Face generate) or vllm (vLLM on CPU or CUDA; needs the vllm package)."""
+    kv_cache_memory: str = "256MiB"
+    """vllm: bytes of KV cache per engine (one per worker), on the card or in host memory:
+    '256MiB', '4GiB', '2GB' or a plain number of bytes."""
+    tis_cap: float = 0.0
+    """vllm: truncated importance sampling of the engine/actor mismatch; each token's policy
+    loss is weighted by min(pi_actor / pi_rollout, tis_cap). 0 turns it off."""
     n: int = 8
     """Samples per prompt (a group for GRPO/RLOO)."""
     temperature: float = 1.0
@@ -306,9 +313,14 @@ def validate(cfg: Config) -> None:
         f"rollout.max_response_length={r.max_response_length}: must be >= 0",
     )
     _need(r.engine in ("hf", "vllm"), f"rollout.engine={r.engine!r}: choose 'hf' or 'vllm'")
+    try:
+        parse_size(r.kv_cache_memory)
+    except ValueError as e:
+        raise ConfigError(f"rollout.kv_cache_memory={r.kv_cache_memory!r}: {e}") from None
+    _need(r.tis_cap >= 0, f"rollout.tis_cap={r.tis_cap}: must be >= 0 (0 turns it off)")
     _need(
-        0 < r.gpu_memory_utilization <= 1,
-        f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]",
+        r.tis_cap == 0 or r.engine == "vllm",
+        f"rollout.tis_cap={r.tis_cap} corrects the vLLM engine's mismatch: set rollout.engine=vllm",
     )
     if cfg.algo in ("grpo", "grpo_no_std", "rloo"):
         _need(

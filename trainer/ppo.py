@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from trainer import algos, multiturn
+from trainer import algos, episodes, rollout_mismatch
 from trainer import batch as batch_ops
 from trainer.config import Config
 from trainer.data import PromptDataset, PromptLoader
@@ -343,7 +343,7 @@ class PPOTrainer:
         )
         self.kl_ctrl = make_kl_controller(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable
-        self.trajectory_log: multiturn.TrajectoryLog | None = None
+        self.trajectory_log: episodes.TrajectoryLog | None = None
         """Set by the caller that owns a run directory (``python -m trainer``)."""
         self.step = 0
         mini = [cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size]
@@ -361,7 +361,7 @@ class PPOTrainer:
         indices = self.loader.next_indices()
         prompts, gts, extras = self.train.batch(indices)
         if self.multi_turn:
-            prompts = multiturn.attach_tools_kwargs(prompts, extras)
+            prompts = episodes.attach_tools_kwargs(prompts, extras)
         group_ids = group_ids_for(len(indices), n)
         prompts = batch_ops.repeat_interleave(prompts, n)
         gts = [gts[i] for i in group_ids.tolist()]
@@ -381,10 +381,15 @@ class PPOTrainer:
         # 3. log-probs under the policy that sampled (unless the update's own
         #    forward gives them: one on-policy pass), the reference's, values
         lp = None
+        mismatch: dict[str, float] = {}
         if needs_old_log_prob_pass(cfg):
             with _timed(m, "old_log_prob"):
                 lp = self.actor.compute_log_prob(batch)
             batch["old_log_probs"] = lp["old_log_probs"]
+            if "rollout_log_probs" in batch.keys():
+                mismatch = rollout_mismatch.mismatch_totals(
+                    lp["old_log_probs"], batch["rollout_log_probs"], mask
+                )
         if cfg.use_reference:
             with _timed(m, "ref"):
                 batch["ref_log_probs"] = self.actor.compute_ref_log_prob(batch)["ref_log_probs"]
@@ -430,8 +435,15 @@ class PPOTrainer:
         if step >= cfg.critic.warmup_steps:
             with _timed(m, "update_actor"):
                 per_rank = self.actor.update_actor(update_batch, step)
-                peaks = {k: v for k, v in PEAK_ACROSS_RANKS.items() if k in per_rank[0]}
-                m.update(batch_ops.merge_metrics(per_rank, reduce=peaks))
+                reduce = {**PEAK_ACROSS_RANKS, **rollout_mismatch.TOTALS_REDUCE}
+                reduce = {k: v for k, v in reduce.items() if k in per_rank[0]}
+                merged = batch_ops.merge_metrics(per_rank, reduce=reduce)
+                # The update's own forward measured the mismatch when it was the one
+                # on-policy pass; otherwise the old-log-prob pass above did.
+                update_totals = rollout_mismatch.pop_totals(merged)
+                mismatch = mismatch or update_totals
+                m.update(merged)
+        m.update(rollout_mismatch.mismatch_metrics(mismatch))
 
         elapsed = time.perf_counter() - t_start
         n_tokens = int(mask.sum())
@@ -459,7 +471,7 @@ class PPOTrainer:
         t0 = time.perf_counter()
         prompts, gts, extras = self.val.batch(range(len(self.val)))
         if self.multi_turn:
-            prompts = multiturn.attach_tools_kwargs(prompts, extras)
+            prompts = episodes.attach_tools_kwargs(prompts, extras)
         rep = group_ids_for(len(self.val), vn).tolist()
         out = self.actor.generate_sequences(
             batch_ops.repeat_interleave(prompts, vn), validation=True
@@ -470,7 +482,7 @@ class PPOTrainer:
             self.reward_fn, texts, [gts[i] for i in rep], val_extras, self._finished(out)
         )
         if self.multi_turn and self.trajectory_log is not None:
-            records = multiturn.episode_records(out)
+            records = episodes.episode_records(out)
             self.trajectory_log.write(self.step, "val", records, scores.tolist())
         return {
             **m,
@@ -491,9 +503,9 @@ class PPOTrainer:
                 self.cfg.reward.skip_special_tokens,
             )
             return texts, extras
-        records = multiturn.episode_records(batch)
-        m.update(multiturn.episode_metrics(records, prefix))
-        return multiturn.reward_inputs(records, extras)
+        records = episodes.episode_records(batch)
+        m.update(episodes.episode_metrics(records, prefix))
+        return episodes.reward_inputs(records, extras)
 
     def _finished(self, batch: TensorDict) -> torch.Tensor | None:
         if self.cfg.reward.score_unfinished:

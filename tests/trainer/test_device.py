@@ -101,8 +101,12 @@ def test_config_device_and_strategy_keys():
         load_config(["critic.offload=true", "critic.strategy=ddp"])
     with pytest.raises(ConfigError, match=r"trainer.use_gpu=true and trainer.device=cpu"):
         load_config(["trainer.use_gpu=true", "trainer.device=cpu"])
-    with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization=0.0"):
-        load_config(["rollout.gpu_memory_utilization=0"])
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_memory='0': .* must be positive"):
+        load_config(["rollout.kv_cache_memory=0"])
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_memory='lots': .* not a size"):
+        load_config(["rollout.kv_cache_memory=lots"])
+    with pytest.raises(ConfigError, match=r"rollout.tis_cap=2.0 .* set rollout.engine=vllm"):
+        load_config(["rollout.tis_cap=2"])
 
 
 @pytest.mark.parametrize(

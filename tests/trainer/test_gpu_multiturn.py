@@ -17,10 +17,10 @@ import torch
 
 from trainer.config import load_config
 from trainer.data import build_dataset, examples_from_task
+from trainer.episodes import episode_records, tool_schemas
 from trainer.models import ensure_tiny_model, load_causal_lm, load_tokenizer
-from trainer.multiturn import episode_records, tool_schemas
 from trainer.rollout import SamplingParams, build_engine
-from trainer.rollout.multiturn import MultiTurnRollout
+from trainer.rollout.episode_loop import MultiTurnRollout
 from trainer.tasks import get_task
 from trainer.tools import ToolExecutor, select_parser
 from trainer.tools.lookup import LookupTool
@@ -44,7 +44,7 @@ def _lookup_prompts(tok, n: int):
     examples = examples_from_task(get_task("lookup").examples(n, seed=0), "lookup")
     data = build_dataset(examples, tok, 32, "drop", "lookup", tool_schemas(cfg))
     prompts, _, extras = data.batch(range(n))
-    from trainer.multiturn import attach_tools_kwargs
+    from trainer.episodes import attach_tools_kwargs
 
     return attach_tools_kwargs(prompts, extras)
 
@@ -78,13 +78,13 @@ def test_the_episode_loop_on_cuda_with_the_hf_engine(model_dir):
 def test_multi_turn_ppo_with_vllm_rollout(trainer_cli, tmp_path):
     _need_cuda()
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs the 'vllm' package (pip install vllm, on a CUDA machine)")
+        pytest.skip("needs the vllm package (pip install -e '.[vllm]' on a CUDA machine)")
     run_dir = tmp_path / "run"
     proc = trainer_cli(
         "rollout.multi_turn.enable=true",
         "data.task=lookup",
         "rollout.engine=vllm",
-        "rollout.gpu_memory_utilization=0.3",
+        "rollout.kv_cache_memory=1GiB",
         "trainer.device=cuda",
         "trainer.num_workers=1",
         f"trainer.run_dir={run_dir}",

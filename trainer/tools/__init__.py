@@ -4,7 +4,7 @@
 :class:`Tool` subclasses; :func:`load_tools` builds them, :func:`select_parser`
 picks how calls are written for the tokenizer, and :class:`ToolExecutor`
 runs them concurrently with a timeout. The episode loop that uses all of
-this is :mod:`trainer.rollout.multiturn`.
+this is :mod:`trainer.rollout.episode_loop`.
 """
 
 from trainer.tools.base import Tool, ToolArgumentError, check_arguments

@@ -2,7 +2,7 @@
 
 A tool is a class with a ``name``, a description and an OpenAI-format JSON
 schema of its parameters, and an ``async execute(arguments, state) -> str``.
-The episode loop (:mod:`trainer.rollout.multiturn`) owns one ``state`` per
+The episode loop (:mod:`trainer.rollout.episode_loop`) owns one ``state`` per
 episode and tool: :meth:`Tool.create` makes it when the episode starts (with
 the example's ``tools_kwargs[name]``), :meth:`Tool.reward` reads it when the
 episode ends (the reward function receives the value), :meth:`Tool.release`

@@ -23,12 +23,17 @@ from tensordict import TensorDict
 from trainer.config import Config
 from trainer.controller import Dispatch, Worker
 from trainer.models import load_tokenizer
-from trainer.rollout import build_engine
+from trainer.rollout import build_engine, build_rollout
 from trainer.workers import fsdp
 from trainer.workers.compute import compute_log_probs, update_policy
 from trainer.workers.device import backend_for, worker_device
 from trainer.workers.memory import peak_memory_metrics
-from trainer.workers.settings import policy_settings, sampling_params, share_prompt
+from trainer.workers.settings import (
+    engine_options,
+    policy_settings,
+    sampling_params,
+    share_prompt,
+)
 from trainer.workers.setup import build_actor, build_optimizer
 from trainer.workers.state import load_training_state, save_training_state
 
@@ -95,14 +100,10 @@ class ActorRolloutRefWorker(Worker):
             self.cfg.rollout.engine,
             self.actor,
             self.tokenizer,
-            model_path=self.model_path,
-            gpu_memory_utilization=self.cfg.rollout.gpu_memory_utilization,
-            seed=self.cfg.seed * 9973 + self.rank,
+            **engine_options(self.cfg, self.model_path, self.device, self.rank),
         )
         self.multi_turn = None
         if self.cfg.rollout.multi_turn.enable:  # the episode loop over the same engine
-            from trainer.multiturn import build_rollout
-
             self.multi_turn = build_rollout(self.cfg, self.engine, self.tokenizer)
 
     def _gathered(self, model: torch.nn.Module):

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import algos
 from trainer import batch as batch_ops
+from trainer.rollout_mismatch import add_totals, mismatch_totals, tis_weights
 from trainer.workers.shared_prompt import shared_prompt_logits
 
 
@@ -51,6 +52,8 @@ class PolicyUpdateSettings:
     shuffle_seed: int = 0
     share_prompt: bool = False
     """One forward per distinct prompt (see :func:`response_logits`)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling of the rollout engine's mismatch; 0 is off."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,11 @@ def update_policy(
     epoch, one mini-batch): the policy that sampled is the one being updated,
     so the old log-probs are the current ones, detached, and the driver skips
     a whole forward pass over the batch. The entropy it would have reported
-    then comes back as ``actor/entropy``.
+    then comes back as ``actor/entropy``, and, when the batch carries the
+    engine's ``rollout_log_probs``, the engine/actor mismatch totals
+    (:mod:`trainer.rollout_mismatch`) measured on that same forward, before
+    the optimizer step. With ``s.tis_cap > 0`` each token's policy loss is
+    weighted by :func:`~trainer.rollout_mismatch.tis_weights`.
     """
     on_policy = "old_log_probs" not in batch.keys()
     if on_policy and (s.ppo_epochs != 1 or s.num_mini_batches != 1):
@@ -278,6 +285,8 @@ def update_policy(
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = defaultdict(list)
+    engine_lp = "rollout_log_probs" in batch.keys()
+    totals: dict[str, float] = {}
     for epoch in range(s.ppo_epochs):
         for mini in _mini_batches(batch, s.num_mini_batches, s.shuffle_seed * 1000 + epoch):
             norm = algos.agg_norm(mini["response_mask"], s.loss_agg_mode, group=group)
@@ -298,6 +307,12 @@ def update_policy(
                             )
                 else:
                     old_log_prob = micro["old_log_probs"]
+                if on_policy and engine_lp:
+                    piece = mismatch_totals(log_prob, micro["rollout_log_probs"], mask)
+                    totals = add_totals(totals, piece)
+                weights = None
+                if s.tis_cap > 0:
+                    weights = tis_weights(old_log_prob, micro["rollout_log_probs"], s.tis_cap)
                 pg_loss, pg_metrics = algos.policy_loss(
                     old_log_prob,
                     log_prob,
@@ -308,6 +323,7 @@ def update_policy(
                     clip_c=s.clip_c,
                     agg=s.loss_agg_mode,
                     norm=norm,
+                    token_weights=weights,
                 )
                 loss = pg_loss
                 if s.entropy_coeff != 0:
@@ -329,7 +345,7 @@ def update_policy(
             if torch.isfinite(grad_norm):
                 optimizer.step()
             acc["actor/grad_norm"].append(grad_norm.item())
-    return _mean_metrics(acc)
+    return {**_mean_metrics(acc), **totals}
 
 
 def update_value(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from trainer.config import Config
+from typing import Any
+
+import torch
+
+from trainer.config import Config, parse_size
 from trainer.rollout import SamplingParams
 from trainer.workers.compute import PolicyUpdateSettings, ValueUpdateSettings
 from trainer.workers.shared_prompt import share_prompt_enabled
@@ -28,6 +32,7 @@ def policy_settings(cfg: Config, step: int) -> PolicyUpdateSettings:
         temperature=cfg.rollout.temperature,
         shuffle_seed=cfg.seed * 1_000_003 + step,
         share_prompt=share_prompt(cfg),
+        tis_cap=cfg.rollout.tis_cap,
     )
 
 
@@ -56,3 +61,19 @@ def sampling_params(cfg: Config, max_new_tokens: int, validation: bool = False) 
     r = cfg.rollout
     temp = r.val_temperature if validation and r.val_temperature >= 0 else r.temperature
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, top_p=r.top_p)
+
+
+def engine_options(cfg: Config, model_path: str, device: torch.device, rank: int) -> dict[str, Any]:
+    """Settings of a rollout engine that holds its own copy of the model (vLLM).
+
+    Each rank samples with its own seed, as the HF engine does through
+    :func:`trainer.workers.actor.seed_worker`.
+    """
+    if cfg.rollout.engine == "hf":
+        return {}
+    return {
+        "model_path": model_path,
+        "device": device,
+        "kv_cache_memory": parse_size(cfg.rollout.kv_cache_memory),
+        "seed": cfg.seed * 9973 + rank,
+    }

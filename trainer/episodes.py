@@ -1,7 +1,7 @@
-"""Multi-turn training on the driver's side, and the worker's factory for the episode loop.
+"""Multi-turn training on the driver's side: tools of a run, episode records, metrics, log.
 
 The episode loop itself runs in the actor workers
-(:mod:`trainer.rollout.multiturn`); the driver (:class:`trainer.ppo.PPOTrainer`)
+(:mod:`trainer.rollout.episode_loop`); the driver (:class:`trainer.ppo.PPOTrainer`)
 only needs what is here: which tools a run uses, the per-example
 ``tools_kwargs`` sent with the prompts, the reward function's inputs (the
 final answer plus the whole trajectory), the ``rollout/multi_turn/*`` and
@@ -54,20 +54,6 @@ def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:
     from trainer.tools import load_tools
 
     return [t.schema() for t in load_tools(tool_specs(cfg))]
-
-
-def build_rollout(cfg: Config, engine: Any, tokenizer: Any) -> Any:
-    """The worker's :class:`~trainer.rollout.multiturn.MultiTurnRollout` over its ``engine``."""
-    from trainer.rollout.multiturn import MultiTurnRollout
-    from trainer.tools import ToolExecutor, load_tools, select_parser
-
-    mt = cfg.rollout.multi_turn
-    tools = load_tools(tool_specs(cfg))
-    executor = ToolExecutor(tools, mt.tool_timeout, mt.max_concurrency)
-    parser = select_parser(mt.format, tokenizer, tools)
-    return MultiTurnRollout(
-        engine, tokenizer, tools, parser, executor, mt.max_turns, tool_response_length(cfg)
-    )
 
 
 def attach_tools_kwargs(prompts: TensorDict, extras: list[dict[str, Any]]) -> TensorDict:

@@ -125,6 +125,8 @@ class Episode:
     tools_kwargs: dict[str, Any]
     response: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    """The engine's log-prob of each response token (0 on tool and template tokens)."""
     messages: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[CallOutcome] = field(default_factory=list)
     states: dict[str, Any] = field(default_factory=dict)
@@ -198,6 +200,7 @@ class MultiTurnRollout:
         )
         self.eos = int(tokenizer.eos_token_id)
         self.pad = int(tokenizer.pad_token_id)
+        self._engine_log_probs = False
 
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
         """Play one episode per row of ``prompts``; ``params.max_new_tokens`` is the whole budget."""
@@ -205,6 +208,7 @@ class MultiTurnRollout:
         device, budget = ids.device, params.max_new_tokens
         kwargs = _tools_kwargs(prompts, ids.shape[0])
         episodes = [Episode(p, kw) for p, kw in zip(_unpadded(ids, pmask), kwargs, strict=True)]
+        self._engine_log_probs = False
         self._start(episodes)
         for _ in range(self.max_turns):
             active = [e for e in episodes if not e.done]
@@ -236,12 +240,20 @@ class MultiTurnRollout:
         contexts = _left_pad([e.prompt + e.response for e in active], self.pad, device)
         out = self.engine.generate(contexts, dataclasses.replace(params, max_new_tokens=max(rooms)))
         turns = _unpadded(out["responses"], out["response_mask"])
+        # The response mask is a prefix of each row: a turn's log-probs sit at its tokens' places.
+        self._engine_log_probs = "rollout_log_probs" in out.keys()
+        engine_lp = (
+            out["rollout_log_probs"].cpu().tolist()
+            if self._engine_log_probs
+            else [[0.0] * room for room in rooms]
+        )
         pending = []
-        for e, room, tokens in zip(active, rooms, turns, strict=True):
+        for e, room, tokens, lp in zip(active, rooms, turns, engine_lp, strict=True):
             tokens = tokens[:room]
             ended = bool(tokens) and tokens[-1] == self.eos
             e.response += tokens
             e.mask += [1] * len(tokens)
+            e.log_probs += lp[: len(tokens)]
             e.turns += 1
             text = self.tok.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
             parsed = self.parser.parse(text)
@@ -289,6 +301,7 @@ class MultiTurnRollout:
                 continue
             e.response += obs
             e.mask += [0] * len(obs)
+            e.log_probs += [0.0] * len(obs)
 
     def _finish(self, episodes: list[Episode]) -> None:
         async def finish_all() -> list[dict[str, float]]:
@@ -303,15 +316,17 @@ class MultiTurnRollout:
         resp = torch.full((b, budget), self.pad, dtype=ids.dtype, device=device)
         gen_mask = torch.zeros((b, budget), dtype=torch.long, device=device)
         real = torch.zeros((b, budget), dtype=torch.long, device=device)
+        log_probs = torch.zeros((b, budget), dtype=torch.float32, device=device)
         for i, e in enumerate(episodes):
             n = len(e.response)
             resp[i, :n] = torch.tensor(e.response, dtype=ids.dtype, device=device)
             gen_mask[i, :n] = torch.tensor(e.mask, dtype=torch.long, device=device)
+            log_probs[i, :n] = torch.tensor(e.log_probs, dtype=torch.float32, device=device)
             real[i, :n] = 1
         attention_mask = torch.cat([pmask.long(), real], dim=1)
         prompt_texts = self.tok.batch_decode(_unpadded(ids, pmask), skip_special_tokens=False)
         records = [json.dumps(e.record(t)) for e, t in zip(episodes, prompt_texts, strict=True)]
-        return TensorDict(
+        out = TensorDict(
             {
                 "prompts": ids,
                 "responses": resp,
@@ -325,3 +340,6 @@ class MultiTurnRollout:
             },
             batch_size=[b],
         )
+        if self._engine_log_probs:
+            out["rollout_log_probs"] = log_probs
+        return out

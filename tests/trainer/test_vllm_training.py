@@ -1,0 +1,160 @@
+"""``python -m trainer rollout.engine=vllm`` on CPU: the weights stay in sync, a broken sync is caught.
+
+The check is the engine/actor log-prob mismatch the trainer reports every
+step (:mod:`trainer.rollout_mismatch`). A run with the real sync must keep the
+mean absolute difference of token probabilities below 1e-3 (float32 on both
+sides); runs with one realistic sync bug each (installed in the Ray workers
+by ``TRAINER_EXTRA_WORKER_SETUP_HOOK``, see ``vllm_faults.py``) must fail that
+same check. No process of a run outlives it, also when a worker is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from test_vllm_engine import _cpu_vllm  # noqa: E402  (same skip rule)
+
+pytestmark = pytest.mark.skipif(_cpu_vllm() is not None, reason=str(_cpu_vllm()))
+
+FAULTS = Path(__file__).with_name("vllm_faults.py")
+TAG = "TRAINER_TEST_RUN_TAG"  # TRAINER_* variables reach the Ray workers too
+IN_SYNC = 1e-3
+"""Bound on the mean |p_actor - p_vllm| over sampled tokens, float32 on both sides."""
+MAX_LOGP_GAP = 1e-3
+"""Bound on the largest |log p_actor - log p_vllm| of a step: in sync it is about 1e-6."""
+
+# Small and quick: 2 workers, 8 prompts x 4 samples, one on-policy pass per step
+# (the mismatch is then measured on the update's own forward).
+RUN = (
+    "rollout.engine=vllm",
+    "rollout.kv_cache_memory=32MiB",
+    "algo=grpo",
+    "rollout.n=4",
+    "data.train_batch_size=8",
+    "actor.ppo_mini_batch_size=8",
+    "trainer.val_every=0",
+    "trainer.tensorboard=false",
+)
+
+
+def assert_in_sync(rows: list[dict]) -> None:
+    """The engine samples with the actor's weights at every step.
+
+    The mean catches a stale engine; the max also catches a bug that moves a
+    few tokens a lot and most hardly at all (a tensor loaded under a wrong name).
+    """
+    means = [r["rollout/actor_prob_diff_mean"] for r in rows]
+    maxes = [r["rollout/actor_logprob_diff_max"] for r in rows]
+    assert all(g < IN_SYNC for g in means), f"mean |p_actor - p_vllm| per step: {means}"
+    assert all(g < MAX_LOGP_GAP for g in maxes), f"max |log-prob gap| per step: {maxes}"
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tagged(tag: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(TAG) == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _assert_all_gone(tag: str, seen: list[psutil.Process]) -> None:
+    """Every process of the run (seen during it, or carrying its tag now) exits within 30 s."""
+    procs = {p.pid: p for p in [*seen, *_tagged(tag)]}
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=30)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of the run still alive: {[p.pid for p in alive]}"
+
+
+def test_the_real_sync_keeps_engine_and_actor_within_1e_3_for_10_steps(trainer_cli, tmp_path):
+    tag = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    proc = trainer_cli(
+        *RUN, "trainer.total_steps=10", f"trainer.run_dir={run_dir}", env={TAG: tag}, timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert_in_sync(rows)
+    assert all(r["rollout/actor_prob_diff_gt_0.1"] == 0 for r in rows)
+    # The step changed the policy (so a missed push would have shown).
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+    _assert_all_gone(tag, [])
+
+
+@pytest.mark.parametrize(
+    "fault", ["skip_push_after_first", "push_previous_step", "push_to_swapped_names"]
+)
+def test_a_broken_sync_fails_the_mismatch_check(trainer_cli, tmp_path, fault):
+    run_dir = tmp_path / "run"
+    proc = trainer_cli(
+        *RUN,
+        "trainer.total_steps=4",
+        f"trainer.run_dir={run_dir}",
+        env={"TRAINER_EXTRA_WORKER_SETUP_HOOK": f"{FAULTS}:{fault}"},
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _metrics(run_dir)
+    assert len(rows) == 4
+    with pytest.raises(AssertionError, match="per step"):
+        assert_in_sync(rows)
+
+
+def test_killing_a_worker_ends_the_run_and_leaves_no_process(tmp_path):
+    from trainer.models import ensure_tiny_model
+
+    tag = uuid.uuid4().hex
+    cache = tmp_path / "cache"
+    ensure_tiny_model(cache_dir=cache)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
+    env.update({TAG: tag, "TRAINER_CACHE": str(cache), "RAY_TMPDIR": ray_tmp})
+    cmd = [sys.executable, "-m", "trainer", *RUN, "trainer.total_steps=200"]
+    driver = subprocess.Popen(
+        [*cmd, f"trainer.run_dir={run_dir}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen: list[psutil.Process] = []
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert driver.poll() is None, driver.communicate()[0]
+            assert time.monotonic() < deadline, "no step within 300 s"
+            time.sleep(0.5)
+        seen = _tagged(tag)
+        workers = [p for p in seen if "WorkerHost" in " ".join(p.cmdline())]
+        assert len(workers) == 2, [p.cmdline() for p in seen]
+        workers[0].send_signal(signal.SIGKILL)
+        out, _ = driver.communicate(timeout=180)
+        assert driver.returncode != 0, out
+        assert "died" in out or "Died" in out or "dead" in out, out[-3000:]
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    _assert_all_gone(tag, seen)
