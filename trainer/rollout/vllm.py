@@ -309,21 +309,23 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             seed=seed,
         )
-        self.asleep = False
+        self.awake = {"weights", "kv_cache"}
         self._sleep()
 
     # -- sleep mode (CUDA only) --------------------------------------------------
 
     def _sleep(self) -> None:
-        if self.sleep_mode and not self.asleep:
+        if self.sleep_mode and self.awake:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.awake.clear()
 
     def _wake(self, tags: list[str]) -> None:
-        if self.sleep_mode and self.asleep:
-            self.llm.wake_up(tags=tags)
-            if "kv_cache" in tags:
-                self.asleep = False
+        # Waking a part that is already awake would copy its host backup over it:
+        # over the weights just pushed, for "weights".
+        todo = [t for t in tags if t not in self.awake]
+        if self.sleep_mode and todo:
+            self.llm.wake_up(tags=todo)
+            self.awake.update(todo)
 
     # -- the engine protocol ---------------------------------------------------------
 

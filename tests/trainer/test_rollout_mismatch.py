@@ -1,0 +1,125 @@
+"""The engine/actor mismatch statistics and the truncated importance weights, without an engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer import batch as batch_ops
+from trainer.models import ensure_tiny_model
+from trainer.rollout_mismatch import (
+    TOTALS_REDUCE,
+    add_totals,
+    mismatch_metrics,
+    mismatch_totals,
+    pop_totals,
+    tis_weights,
+)
+from trainer.workers.compute import PolicyUpdateSettings, compute_log_probs, update_policy
+from trainer.workers.setup import build_actor
+
+
+def test_the_statistics_are_over_response_tokens_only():
+    actor = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.2, 0.2]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.2, 0.25, 0.01]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # the big gap at [0, 2] is padding
+    got = mismatch_metrics(mismatch_totals(actor, rollout, mask))
+    d_logp = [0.0, math.log(0.5 / 0.3), 0.0, math.log(0.25 / 0.2), math.log(0.2 / 0.01)]
+    d_prob = [0.0, 0.2, 0.0, 0.05, 0.19]
+    assert got["rollout/actor_logprob_diff_mean"] == pytest.approx(sum(d_logp) / 5, rel=1e-5)
+    assert got["rollout/actor_logprob_diff_max"] == pytest.approx(max(d_logp), rel=1e-5)
+    assert got["rollout/actor_prob_diff_mean"] == pytest.approx(sum(d_prob) / 5, rel=1e-5)
+    assert got["rollout/actor_prob_diff_gt_0.1"] == pytest.approx(2 / 5)
+
+
+def test_pieces_and_ranks_combine_to_the_whole_batch():
+    gen = torch.Generator().manual_seed(0)
+    actor = -torch.rand(6, 5, generator=gen) * 3
+    rollout = actor + 0.3 * torch.randn(6, 5, generator=gen)
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).long()
+    whole = mismatch_metrics(mismatch_totals(actor, rollout, mask))
+    # Two ranks of three rows, each in two micro-batches, merged as the driver merges them.
+    per_rank = []
+    for rows in (slice(0, 3), slice(3, 6)):
+        acc: dict[str, float] = {}
+        for micro in (slice(0, 1), slice(1, 3)):
+            a, r, m = actor[rows][micro], rollout[rows][micro], mask[rows][micro]
+            acc = add_totals(acc, mismatch_totals(a, r, m))
+        per_rank.append({"actor/pg_loss": 0.0, **acc})
+    merged = batch_ops.merge_metrics(per_rank, reduce=TOTALS_REDUCE)
+    totals = pop_totals(merged)
+    assert merged == {"actor/pg_loss": 0.0}
+    assert mismatch_metrics(totals) == pytest.approx(whole)
+
+
+def test_no_compared_token_reports_nothing_and_shapes_must_agree():
+    zeros = torch.zeros(2, 3)
+    assert mismatch_metrics(mismatch_totals(zeros, zeros, torch.zeros(2, 3))) == {}
+    assert mismatch_metrics({}) == {}
+    with pytest.raises(ValueError, match=r"one shape, got \(2, 3\), \(2, 4\)"):
+        mismatch_totals(zeros, torch.zeros(2, 4), torch.zeros(2, 3))
+
+
+def test_truncated_importance_weights():
+    actor = torch.log(torch.tensor([0.5, 0.4, 0.01], requires_grad=True))
+    rollout = torch.log(torch.tensor([0.5, 0.1, 0.02]))
+    w = tis_weights(actor, rollout, cap=2.0)
+    assert w.tolist() == pytest.approx([1.0, 2.0, 0.5])  # 4.0 is capped at 2
+    assert not w.requires_grad
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        tis_weights(actor, rollout, cap=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("cache")))
+
+
+def _on_policy_batch(model_dir: str):
+    from trainer.rollout import finish_responses
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(7, 20, (6, 4), generator=gen)
+    responses = torch.randint(7, 20, (6, 5), generator=gen)
+    td = finish_responses(prompts, torch.ones(6, 4, dtype=torch.long), responses, 5, 2, 0)
+    lp, _ = compute_log_probs(build_actor(model_dir), td, 1.0, 64)
+    td["rollout_log_probs"] = (lp + 0.2 * torch.randn(6, 5, generator=gen)) * td["response_mask"]
+    td["advantages"] = torch.randn(6, 5, generator=gen) * td["response_mask"]
+    return td, lp
+
+
+def test_the_update_pass_measures_the_mismatch_before_it_steps(model_dir):
+    td, lp = _on_policy_batch(model_dir)
+    torch.manual_seed(0)
+    actor = build_actor(model_dir)
+    opt = torch.optim.SGD(actor.parameters(), lr=0.5)
+    s = PolicyUpdateSettings(micro_batch_size=4, grad_clip=1e9)
+    metrics = update_policy(actor, opt, td, s)
+    got = mismatch_metrics(pop_totals(metrics))
+    want = mismatch_metrics(mismatch_totals(lp, td["rollout_log_probs"], td["response_mask"]))
+    assert got == pytest.approx(want, rel=1e-5)
+    # With an old-log-prob pass the driver measures it instead: the update reports none.
+    assert pop_totals(update_policy(actor, opt, td.set("old_log_probs", lp), s)) == {}
+
+
+def test_tis_weights_the_policy_gradient_by_the_capped_ratio(model_dir):
+    td, lp = _on_policy_batch(model_dir)
+    grads = {}
+    for cap in (0.0, 1.5):
+        torch.manual_seed(0)
+        actor = build_actor(model_dir)
+        opt = torch.optim.SGD(actor.parameters(), lr=0.0)
+        update_policy(actor, opt, td, PolicyUpdateSettings(grad_clip=1e9, tis_cap=cap))
+        grads[cap] = torch.cat([p.grad.flatten() for p in actor.parameters()])
+    # Weighted by exp(actor - rollout) capped at 1.5: the same as scaling the advantages.
+    w = tis_weights(lp, td["rollout_log_probs"], 1.5) * td["response_mask"]
+    torch.manual_seed(0)
+    actor = build_actor(model_dir)
+    opt = torch.optim.SGD(actor.parameters(), lr=0.0)
+    scaled = td.clone().set("advantages", td["advantages"] * w)
+    update_policy(actor, opt, scaled, PolicyUpdateSettings(grad_clip=1e9))
+    want = torch.cat([p.grad.flatten() for p in actor.parameters()])
+    torch.testing.assert_close(grads[1.5], want, rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(grads[0.0], grads[1.5])
