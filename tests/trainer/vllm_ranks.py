@@ -74,7 +74,7 @@ def greedy_against_hf(rank: int, world: int, model_dir: str, device_type: str) -
     device = torch.device(device_type)
     tok, actor, engine = build(model_dir, device, strategy="ddp")
     hf = build_engine("hf", actor, tok)
-    td = prompts(tok, 8, 1)
+    td = prompts(tok, 4, 2)  # a prompt twice in a row: greedy asks vLLM once per row
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
     before_vllm = engine.generate(td, greedy)
     before_hf = hf.generate(td.to(device), greedy).to("cpu")
@@ -125,3 +125,41 @@ def two_ranks_sync(rank: int, world: int, model_dir: str, device_type: str) -> d
         "responses": out["responses"],
         "world": dist.get_world_size(),
     }
+
+
+def steps_per_fault(rank: int, world: int, model_dir: str, faults: list[str | None]) -> dict:
+    """A few update-and-push steps per fault (None: the real sync), each on a fresh engine.
+
+    The loop of a worker's step: sample with the engine, one on-policy
+    ``update_policy`` pass (which measures the engine/actor mismatch on its
+    own forward, before it steps), push the weights. Returns the per-step
+    mismatch metrics per fault.
+    """
+    import vllm_faults
+
+    from trainer.rollout import SamplingParams
+    from trainer.rollout_mismatch import mismatch_metrics, pop_totals
+    from trainer.workers.compute import PolicyUpdateSettings, update_policy
+
+    device = torch.device("cpu")
+    out: dict = {}
+    for fault in faults:
+        undo = getattr(vllm_faults, fault)() if fault else (lambda: None)
+        try:
+            tok, actor, engine = build(model_dir, device)
+            opt = torch.optim.Adam(actor.parameters(), lr=1e-2)
+            td = prompts(tok, 8, 4)
+            gen = torch.Generator().manual_seed(0)
+            rows = []
+            for _ in range(3):
+                batch = engine.generate(td, SamplingParams(max_new_tokens=8, temperature=1.0))
+                noise = torch.randn(batch["response_mask"].shape, generator=gen)
+                batch["advantages"] = noise * batch["response_mask"]
+                metrics = update_policy(actor, opt, batch, PolicyUpdateSettings(grad_clip=1.0))
+                rows.append(mismatch_metrics(pop_totals(metrics)))
+                engine.sync_weights()
+            engine.close()
+        finally:
+            undo()
+        out[fault] = rows
+    return out

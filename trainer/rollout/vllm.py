@@ -340,7 +340,8 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompts: TensorDict, params: SamplingParams) -> TensorDict:
-        """Sample one response per row; consecutive repeats of a prompt become one ``n`` request.
+        """Sample one response per row; consecutive repeats of a prompt become one ``n`` request
+        (when sampling; greedy rows are one request each).
 
         Returns :func:`finish_responses`'s layout plus ``rollout_log_probs``
         (B, R): vLLM's log-prob of each sampled token, 0 outside the response.
@@ -348,7 +349,9 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
 
         ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
-        runs = group_repeated_prompts(_unpadded_prompts(ids, mask))
+        rows = _unpadded_prompts(ids, mask)
+        # vLLM refuses n > 1 with greedy sampling (every sample would be the same).
+        runs = group_repeated_prompts(rows) if params.temperature > 0 else [(p, 1) for p in rows]
         requests = [{"prompt_token_ids": p} for p, _ in runs]
         sampling = [
             VSamplingParams(**vllm_sampling_kwargs(params, n, self.eos_token_id)) for _, n in runs
