@@ -38,9 +38,9 @@ Every process computes with ``--threads`` torch threads (default 1), set
 before the vLLM engine is built (its CPU worker turns ``torch.set_num_threads``
 into a no-op). The prompts are the synthetic task's first ``--prompts``
 prompts, each repeated ``--n`` times in place (as the driver does, so vLLM
-shares each prompt's prefill over its ``n`` samples). The greedy pass uses
-the same rows reordered so no two neighbours are equal: vLLM refuses ``n > 1``
-when greedy. The script prints figures; it asserts nothing about them.
+shares each prompt's prefill over its ``n`` samples; greedy rows are one
+request each, since vLLM refuses ``n > 1`` when greedy). The script prints
+figures; it asserts nothing about them.
 """
 
 from __future__ import annotations
@@ -128,30 +128,6 @@ def _prompts(model_dir: str, n_prompts: int, n: int):
     train, _ = build_datasets(cfg, tok)
     td, _, _ = train.batch(range(n_prompts))
     return batch_ops.repeat_interleave(td, n)
-
-
-def _no_adjacent_repeats(td):
-    """The same rows reordered so that no two neighbours hold the same prompt.
-
-    For the greedy pass: the vLLM engine turns a run of equal consecutive
-    prompts into one request with ``n`` samples, and vLLM refuses ``n > 1``
-    when sampling greedily. Rows are laid out most frequent prompt first,
-    on even slots then odd ones, which separates equal rows whenever no prompt
-    fills more than half the batch.
-    """
-    keys = [tuple(row.tolist()) for row in td["input_ids"]]
-    count = {k: keys.count(k) for k in set(keys)}
-    by_frequency = sorted(range(len(keys)), key=lambda i: (-count[keys[i]], keys[i]))
-    slots = [*range(0, len(keys), 2), *range(1, len(keys), 2)]
-    order = [0] * len(keys)
-    for slot, i in zip(slots, by_frequency, strict=True):
-        order[slot] = i
-    if any(keys[a] == keys[b] for a, b in zip(order, order[1:], strict=False)):
-        raise SystemExit(
-            "bench/rollout_engines.py: greedy needs no prompt filling more than half the batch; "
-            "use more --prompts"
-        )
-    return td[order]
 
 
 def _kv_cache_bytes(model_dir: str, seqs: int, seq_len: int) -> int:
@@ -314,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         dirs = {s: str(ensure_tiny_model(TinySpec(**SHAPES[s]), cache)) for s in args.shape_names}
         prompts = _prompts(next(iter(dirs.values())), args.prompts, args.n)
         seq_len = prompts["input_ids"].shape[1] + args.new_tokens
-        samplings = {
-            label: (t, _no_adjacent_repeats(prompts) if t == 0 else prompts)
-            for label, t in temperatures.items()
-        }
+        samplings = {label: (t, prompts) for label, t in temperatures.items()}
         for shape, model_dir in dirs.items():
             kv = args.kv_cache_mib * 2**20 or _kv_cache_bytes(model_dir, seqs, seq_len)
             opts = {

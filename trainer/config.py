@@ -82,6 +82,9 @@ class RolloutConfig:
     kv_cache_memory: str = "256MiB"
     """vllm: bytes of KV cache per engine (one per worker), on the card or in host memory:
     '256MiB', '4GiB', '2GB' or a plain number of bytes."""
+    max_num_seqs: int = 1024
+    """vllm: sequences an engine schedules at once (verl's default); a worker's rows beyond it
+    wait for a second wave of decoding."""
     tis_cap: float = 0.0
     """vllm: truncated importance sampling of the engine/actor mismatch; each token's policy
     loss is weighted by min(pi_actor / pi_rollout, tis_cap). 0 turns it off."""
@@ -317,6 +320,7 @@ def validate(cfg: Config) -> None:
         parse_size(r.kv_cache_memory)
     except ValueError as e:
         raise ConfigError(f"rollout.kv_cache_memory={r.kv_cache_memory!r}: {e}") from None
+    _need(r.max_num_seqs >= 1, f"rollout.max_num_seqs={r.max_num_seqs}: must be >= 1")
     _need(r.tis_cap >= 0, f"rollout.tis_cap={r.tis_cap}: must be >= 0 (0 turns it off)")
     _need(
         r.tis_cap == 0 or r.engine == "vllm",

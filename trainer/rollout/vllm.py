@@ -273,6 +273,7 @@ class VLLMEngine:
         kv_cache_memory: int,
         seed: int = 0,
         max_model_len: int | None = None,
+        max_num_seqs: int = 1024,
     ) -> None:
         require_vllm()
         if device.type == "cpu":
@@ -282,11 +283,11 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        from trainer.workers.fsdp import mixed_precision_policy
+        from trainer.workers import fsdp
 
-        policy = mixed_precision_policy(device.type)
-        # The engine computes in the dtype the actor's forward uses, so the two
-        # policies differ only by kernels, not by precision.
+        # The engine computes in the dtype the actor's forward uses (FSDP2's bf16
+        # on CUDA, float32 otherwise), so the two policies differ by kernels only.
+        policy = fsdp.mixed_precision_policy(device.type) if fsdp.is_sharded(model) else None
         self.dtype = policy.param_dtype if policy is not None else torch.float32
         self.model = model
         self.device = device
@@ -296,13 +297,16 @@ class VLLMEngine:
         self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         self.llm = LLM(
             model=model_path,
+            # Loaded though unused (token ids in and out): without it vLLM's start-up
+            # logs a traceback from its chat-template warm-up.
             tokenizer=model_path,
-            skip_tokenizer_init=True,
             dtype=str(self.dtype).removeprefix("torch."),
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher",
             kv_cache_memory_bytes=int(kv_cache_memory),
             max_model_len=max_model_len,
+            # A worker's whole batch decodes in one wave (vLLM's CPU default is 256).
+            max_num_seqs=max_num_seqs,
             enable_sleep_mode=self.sleep_mode,
             enforce_eager=True,
             # Log-probs after temperature: what the actor's own pass computes.

@@ -75,5 +75,6 @@ def engine_options(cfg: Config, model_path: str, device: torch.device, rank: int
         "model_path": model_path,
         "device": device,
         "kv_cache_memory": parse_size(cfg.rollout.kv_cache_memory),
+        "max_num_seqs": cfg.rollout.max_num_seqs,
         "seed": cfg.seed * 9973 + rank,
     }
