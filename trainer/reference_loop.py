@@ -65,6 +65,12 @@ class ReferenceLoop:
                 "rollout.multi_turn.enable=true: the reference loop samples single responses "
                 "only; run multi-turn training with python -m trainer"
             )
+        if cfg.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.engine={cfg.rollout.engine}: the reference loop samples with the "
+                "actor's own module (hf) only, having no torch.distributed world for vLLM to "
+                "join; run vLLM rollouts with python -m trainer"
+            )
         self.device = torch.device("cuda" if cfg.trainer.use_gpu else "cpu")
         seed_everything(cfg.seed)
         path = resolve_model_path(cfg.model.path)

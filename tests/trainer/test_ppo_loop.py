@@ -25,3 +25,9 @@ def test_grpo_reward_rises_within_a_few_steps(model_dir):
     last = sum(m["rollout/reward_mean"] for m in history[-3:]) / 3
     assert last > 0.08 and last > 3 * first, (first, last)
     assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in history)
+
+
+def test_the_reference_loop_refuses_the_vllm_engine_by_name(model_dir):
+    cfg = load_config([f"model.path={model_dir}", "rollout.engine=vllm"])
+    with pytest.raises(ValueError, match=r"rollout.engine=vllm: the reference loop .*\(hf\) only"):
+        ReferenceLoop(cfg)
