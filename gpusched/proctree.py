@@ -5,11 +5,17 @@ process, and any process whose environment carries the job's tag (Ray workers
 and daemons call ``setsid()``/``setpgrp()`` and are reparented to init, but keep
 the environment they inherited). Killing is TERM, a grace period, then KILL,
 re-scanning each round because a dying tree can still fork.
+
+A kill is over only when every process it ever found has exited (gone, or a
+zombie), not merely when a fresh scan finds nothing: a process that is still
+exiting may no longer show its environment (the kernel releases its memory
+early in exit), so the scan by tag stops seeing it before it is gone (#23).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
@@ -105,6 +111,63 @@ def _signal_all(procs: Iterable[psutil.Process], pgid: int | None, sig: signal.S
             pass
 
 
+class _Found:
+    """Every process a kill has found, across all its scans.
+
+    ``scan`` returns the fresh scan together with the earlier finds that are
+    still alive: a process that stops showing up in the scan (its environment
+    is unreadable while it exits) is still waited for and signalled. The
+    ``psutil.Process`` objects carry their create time, so a pid reused by an
+    unrelated process is never taken for one of the job's.
+    """
+
+    def __init__(self, root_pid: int | None, pgid: int | None, tag: str | None) -> None:
+        self._where = (root_pid, pgid, tag)
+        self.all: set[psutil.Process] = set()
+
+    def scan(self) -> list[psutil.Process]:
+        self.all.update(job_processes(*self._where))
+        return [proc for proc in self.all if _alive(proc)]
+
+    @property
+    def pids(self) -> frozenset[int]:
+        return frozenset(proc.pid for proc in self.all)
+
+
+def _wait_exit(procs: Iterable[psutil.Process], timeout: float) -> None:
+    """Block until every one of ``procs`` has exited (gone or a zombie), or ``timeout`` s pass.
+
+    Waits on pidfds, which become readable when their process exits and never
+    reap it: the runner and the session reap their own children.
+    (``psutil.wait_procs`` would reap them, and on a zombie that is not our
+    child it waits out the whole timeout.) Sleeps ``timeout`` s where pidfds
+    are not available.
+    """
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    fds: list[int] = []
+    try:
+        waiting: set[int] = set()
+        for proc in procs:
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except ProcessLookupError:
+                continue  # already reaped
+            fds.append(fd)
+            if _alive(proc):  # checked after the open, so the pidfd is this process's
+                poller.register(fd, select.POLLIN)
+                waiting.add(fd)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                waiting.discard(fd)
+    except (AttributeError, OSError):  # no pidfd_open (before Linux 5.3), or out of fds
+        time.sleep(max(0.0, deadline - time.monotonic()))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def kill_job(
     root_pid: int | None,
     pgid: int | None,
@@ -121,44 +184,42 @@ def kill_job(
     ``multiprocessing``'s resource tracker quit as soon as they notice their
     parent is gone, and are not counted as left behind.
 
-    Returns once no process of the job is alive, or after ``bound`` s of KILL
+    Returns once every process of the job it ever found has exited (gone or a
+    zombie) and a fresh scan finds no other, or after ``bound`` s of KILL
     rounds with the pids that survived (a process stuck in the kernel).
     Pass ``root_pid=None`` once the root has been reaped: its pid may already
     belong to an unrelated process.
     Blocking: the asyncio runner calls it through ``asyncio.to_thread``.
     """
-    procs = job_processes(root_pid, pgid, tag)
-    seen = {proc.pid for proc in procs}
+    found = _Found(root_pid, pgid, tag)
+    procs = found.scan()
     settle_until = time.monotonic() + settle
     while procs and time.monotonic() < settle_until and not (hurry and hurry.is_set()):
-        time.sleep(_POLL)
-        procs = job_processes(root_pid, pgid, tag)
-        seen.update(proc.pid for proc in procs)
-    killed = {proc.pid for proc in procs}
+        _wait_exit(procs, min(_POLL, settle_until - time.monotonic()))
+        procs = found.scan()
+    killed = set(procs)
     if not procs:
-        return KillReport(0, (), frozenset(seen))
+        return KillReport(0, (), found.pids)
 
     def report(survivors: tuple[int, ...] = ()) -> KillReport:
-        return KillReport(len(killed), survivors, frozenset(seen))
+        return KillReport(len(killed), survivors, found.pids)
 
     _signal_all(procs, pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not (hurry and hurry.is_set()):
-        procs = job_processes(root_pid, pgid, tag)
-        seen.update(proc.pid for proc in procs)
-        killed.update(proc.pid for proc in procs)
+        procs = found.scan()
+        killed.update(procs)
         if not procs:
             return report()
         _signal_all(procs, None, signal.SIGTERM)  # newcomers forked during the grace period
-        time.sleep(_POLL)
+        _wait_exit(procs, _POLL)
     deadline = time.monotonic() + bound
     while True:
-        procs = job_processes(root_pid, pgid, tag)
-        seen.update(proc.pid for proc in procs)
-        killed.update(proc.pid for proc in procs)
+        procs = found.scan()
+        killed.update(procs)
         if not procs:
             return report()
         if time.monotonic() > deadline:
             return report(tuple(sorted(proc.pid for proc in procs)))
         _signal_all(procs, pgid, signal.SIGKILL)
-        time.sleep(_POLL)
+        _wait_exit(procs, _POLL)

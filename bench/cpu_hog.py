@@ -1,0 +1,56 @@
+"""Run a command with busy processes beside it: the suite under load, as on a shared machine.
+
+    python bench/cpu_hog.py --procs 2 -- bash .ci/run
+
+Starts ``--procs`` processes that spin on the CPU, runs the command, stops
+them whatever happens (also on Ctrl-C), and prints the command's wall time
+and exit code; exits with the command's code. The hog is plain Python
+arithmetic in a loop, so it takes a core each and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+
+
+def _spin() -> None:
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) % 2**31
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--procs", type=int, default=2, help="busy processes (default 2)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give the command to run after --")
+    if args.procs < 1:
+        p.error(f"--procs {args.procs}: must be >= 1")
+    hogs = [mp.Process(target=_spin, daemon=True) for _ in range(args.procs)]
+    for h in hogs:
+        h.start()
+    t0 = time.perf_counter()
+    try:
+        rc = subprocess.call(command)
+    finally:
+        for h in hogs:
+            h.terminate()
+        for h in hogs:
+            h.join()
+    print(
+        f"cpu_hog: {args.procs} busy processes; {' '.join(command)}: exit {rc} in "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
