@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ppo_step import _choices  # bench/ is the script's directory, so on sys.path
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read by each engine process
 
@@ -104,16 +106,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     return args
-
-
-def _choices(
-    p: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]
-) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if v not in allowed]
-    if not items or bad:
-        p.error(f"{flag} {value!r}: expected a comma-separated list of {', '.join(allowed)}")
-    return items
 
 
 def _prompts(model_dir: str, n_prompts: int, n: int):

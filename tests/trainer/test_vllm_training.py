@@ -26,6 +26,8 @@ import pytest
 from test_vllm_engine import _cpu_vllm  # noqa: E402  (same skip rule)
 from vllm_faults import assert_in_sync
 
+from gpusched.proctree import processes_with
+
 pytestmark = pytest.mark.skipif(_cpu_vllm() is not None, reason=str(_cpu_vllm()))
 
 FAULTS = Path(__file__).with_name("vllm_faults.py")
@@ -50,14 +52,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _tagged(tag: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(TAG) == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    return processes_with(TAG, tag)
 
 
 def _assert_all_gone(tag: str, seen: list[psutil.Process]) -> None:
