@@ -6,6 +6,7 @@ its engine the way :class:`~trainer.workers.actor.ActorRolloutRefWorker` does.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -46,18 +47,10 @@ def actor_log_probs(actor: torch.nn.Module, batch, device: torch.device) -> torc
     from trainer.workers import fsdp
     from trainer.workers.compute import compute_log_probs
 
-    ctx = fsdp.gathered_for_inference(actor) if fsdp.is_sharded(actor) else _null()
+    ctx = fsdp.gathered_for_inference(actor) if fsdp.is_sharded(actor) else nullcontext()
     with ctx:
         lp, _ = compute_log_probs(actor, batch.to(device), 1.0, 64)
     return lp.cpu()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def mean_prob_gap(actor, batch, device) -> float:
