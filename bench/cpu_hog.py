@@ -3,7 +3,7 @@
     python bench/cpu_hog.py --procs 2 -- bash .ci/run
 
 Starts ``--procs`` processes that spin on the CPU, runs the command, stops
-them whatever happens (also on Ctrl-C), and prints the command's wall time
+them whatever happens (also on Ctrl-C or SIGTERM), and prints the command's wall time
 and exit code; exits with the command's code. The hog is plain Python
 arithmetic in a loop, so it takes a core each and nothing else.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give the command to run after --")
     if args.procs < 1:
         p.error(f"--procs {args.procs}: must be >= 1")
+    # SIGTERM unwinds like Ctrl-C, so the finally below stops the hog and the command.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     hogs = [mp.Process(target=_spin, daemon=True) for _ in range(args.procs)]
     for h in hogs:
         h.start()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from deadlines import hang_guard
 
 THIS_FILE = Path(__file__).resolve()
 pytest_plugins = ["pytester"]
@@ -193,5 +194,7 @@ def test_cluster_stops_when_its_test_fails_and_gpu_variants_skip(pytester, monke
     assert not Path(seen["temp_dir"]).exists(), "temp dir left behind"
     assert _ray_processes_under(seen["temp_dir"]) == []
 
-    selected = pytester.runpytest_subprocess("--collect-only", "-q", "-m", "gpu2", timeout=60)
+    selected = pytester.runpytest_subprocess(
+        "--collect-only", "-q", "-m", "gpu2", timeout=hang_guard(60)
+    )
     selected.stdout.fnmatch_lines(["*test_gpu_distributed*", "*1/3 tests collected*"])

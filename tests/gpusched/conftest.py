@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from deadlines import hang_guard
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -43,7 +44,7 @@ def run_pytest(tmp_path: Path):
             env=_clean_env(**env),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=hang_guard(120),
         )
 
     return run

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deadlines import hang_guard
 
 from gpusched import cli
 from gpusched.history import main as history_main
@@ -121,7 +122,7 @@ def test_gpusched_matrix_with_the_workflow_arguments_gives_the_fields_it_reads(w
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=hang_guard(120),
     )
     assert done.returncode == 0, done.stderr
     include = json.loads(done.stdout)["include"]

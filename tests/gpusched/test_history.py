@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import hang_guard
 
 from gpusched.history import (
     DEFAULT_SECONDS,
@@ -147,7 +148,7 @@ def test_concurrent_writers_lose_no_entry(tmp_path):
     for process in processes:
         process.start()
     for process in processes:
-        process.join(60)
+        process.join(hang_guard(60))
         assert process.exitcode == 0
     history, warning = load_history(path)
     assert warning is None

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import junitparser
+from deadlines import hang_guard
 from junitparser import Error, Failure, JUnitXml, Skipped
 
 from gpusched.collect import CollectError, Collection
@@ -128,7 +129,7 @@ def test_gpusched_run_writes_a_junit_file_junitparser_reads(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "gpusched", "run", ".", "--simulate-gpus", "2", "--timeout", "8",
          "--kill-grace", "1", "--junitxml", "reports/junit.xml"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, capture_output=True, text=True, timeout=hang_guard(180),
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "\x1b" not in done.stdout + done.stderr  # a pipe: plain lines, no control codes

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from deadlines import hang_guard
 from rich.console import Console
 
 from gpusched.live import LiveReporter, LiveState, wants_live
@@ -106,7 +107,7 @@ def _run_in_pty(cwd, env: dict[str, str]) -> tuple[int, str]:
             if not data:
                 break
             chunks.append(data)
-        return proc.wait(timeout=120), b"".join(chunks).decode("utf-8", "replace")
+        return proc.wait(timeout=hang_guard(120)), b"".join(chunks).decode("utf-8", "replace")
     finally:
         os.close(master)
         if slave >= 0:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from deadlines import hang_guard
 
 from gpusched.history import Entry, dump_history, load_history
 
@@ -35,7 +36,7 @@ def gpusched(root, *args: str) -> subprocess.CompletedProcess:
         cwd=root,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=hang_guard(120),
     )
 
 

@@ -17,6 +17,7 @@ import time
 
 import psutil
 import pytest
+from deadlines import hang_guard
 
 from gpusched import proctree
 from gpusched.proctree import TAG_VARIABLE, kill_job
@@ -75,7 +76,7 @@ def _tag() -> str:
     return f"proctree-{os.getpid()}-{time.monotonic_ns()}"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(hang_guard(60))
 def test_a_process_hidden_from_the_tag_scan_is_waited_for(hidden_after_first_scan):
     tag = _tag()
     child = _start_tagged(SLOW_TO_EXIT, tag)
@@ -90,7 +91,7 @@ def test_a_process_hidden_from_the_tag_scan_is_waited_for(hidden_after_first_sca
         child.wait()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(hang_guard(60))
 def test_a_hidden_process_that_ignores_term_gets_the_kill_round(hidden_after_first_scan):
     tag = _tag()
     child = _start_tagged(IGNORES_TERM, tag)
@@ -104,7 +105,7 @@ def test_a_hidden_process_that_ignores_term_gets_the_kill_round(hidden_after_fir
         child.wait()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(hang_guard(60))
 def test_a_hidden_process_that_cannot_be_killed_is_a_survivor(hidden_after_first_scan, monkeypatch):
     """Past ``bound`` s of KILL rounds, a tracked process still alive is reported, not forgotten."""
     tag = _tag()
@@ -120,14 +121,14 @@ def test_a_hidden_process_that_cannot_be_killed_is_a_survivor(hidden_after_first
         child.wait()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(hang_guard(60))
 def test_waiting_for_an_exit_leaves_the_child_to_its_parent():
     """``_wait_exit`` returns as the process exits and never reaps it: the runner does that."""
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     try:
         started = time.monotonic()
-        proctree._wait_exit([psutil.Process(child.pid)], 30.0)
-        assert time.monotonic() - started < 20.0
+        proctree._wait_exit([psutil.Process(child.pid)], 600.0)
+        assert time.monotonic() - started < 300.0  # the exit ended the wait, not the bound
         assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
         assert child.wait(5) == 3
     finally:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import html5lib
+from deadlines import hang_guard
 
 from gpusched.results import FileResult, Outcome
 from gpusched.timeline import COLOURS, cpu_lanes, timeline_html
@@ -106,7 +107,7 @@ def test_gpusched_run_writes_the_timeline(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "gpusched", "run", ".", "--simulate-gpus", "2",
          "--timeline", "out/t.html", "--json", "r.json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, capture_output=True, text=True, timeout=hang_guard(120),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
@@ -121,7 +122,7 @@ def test_gpusched_run_writes_the_timeline(tmp_path):
 def test_timeline_without_a_path_is_a_usage_error(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "gpusched", "run", ".", "--timeline"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, capture_output=True, text=True, timeout=hang_guard(60),
     )  # fmt: skip
     assert done.returncode == 4
     assert "--timeline: expected one argument" in done.stderr

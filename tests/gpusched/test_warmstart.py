@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from deadlines import hang_guard
 
 from gpusched.warmstart import (
     CANCELLED,
@@ -73,7 +74,7 @@ def test_child_waits_at_the_gate_then_runs_with_the_cards_it_is_sent():
     time.sleep(0.3)
     assert proc.poll() is None, "the child went past a closed gate"
     assert gate.open({"CUDA_VISIBLE_DEVICES": "2,3"})
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=hang_guard(30))
     gate.close()
     assert proc.returncode == 0, err
     assert out.split() == ["2,3", "None"]  # cards applied; the gate variable is not inherited
@@ -83,7 +84,7 @@ def test_a_gate_opened_before_the_child_arrives_lets_it_straight_through():
     gate = Gate()
     proc = _spawn(gate, CHILD.format(before=""))
     assert gate.open({"CUDA_VISIBLE_DEVICES": "1"})
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=hang_guard(30))
     asyncio.run(asyncio.wait_for(gate.ready(), 5))
     gate.close()
     assert proc.returncode == 0, err
@@ -93,7 +94,7 @@ def test_a_gate_opened_before_the_child_arrives_lets_it_straight_through():
 def test_closing_the_gate_without_a_message_ends_the_child():
     proc, gate = _gated_child()
     gate.cancel()
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=hang_guard(30))
     gate.close()
     assert proc.returncode == CANCELLED
     assert "not needed" in err
@@ -103,7 +104,7 @@ def test_a_child_that_exits_before_its_gate_counts_as_ready_and_cannot_be_opened
     gate = Gate()
     proc = _spawn(gate, "raise SystemExit(4)")
     asyncio.run(asyncio.wait_for(gate.ready(), 30))  # end of file, no ready line
-    assert proc.wait(timeout=30) == 4
+    assert proc.wait(timeout=hang_guard(30)) == 4
     assert gate.open({"CUDA_VISIBLE_DEVICES": "0"}) is False
     gate.close()
 
@@ -117,7 +118,7 @@ def test_cuda_initialised_before_the_gate_refuses_to_run():
     )
     proc, gate = _gated_child(before=fake_torch)
     gate.open({"CUDA_VISIBLE_DEVICES": "1"})
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=hang_guard(30))
     gate.close()
     assert proc.returncode == CUDA_TOO_EARLY
     assert "--prestart 0" in err and out == ""
@@ -240,7 +241,7 @@ def test_ctrl_c_ends_the_waiting_children_too(make_suite, tmp_path):
             time.sleep(0.2)
         assert len(waiting) == 3, "three files should wait at the gate"
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=hang_guard(60))
     finally:
         if proc.poll() is None:
             proc.kill()

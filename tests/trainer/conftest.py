@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deadlines import hang_guard
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +60,7 @@ def ray_shared(ray_init_kwargs: dict[str, Any]) -> Iterator[None]:
 def trainer_cli(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., subprocess.CompletedProcess]]:
-    """``trainer_cli(*args, timeout=240, env=None)``: one ``python -m trainer`` subprocess,
+    """``trainer_cli(*args, timeout=hang_guard(240), env=None)``: one ``python -m trainer`` subprocess,
     output captured; ``env`` adds to (or overrides) its environment."""
     from trainer.models import ensure_tiny_model
 
@@ -70,7 +71,7 @@ def trainer_cli(
     base_env.update(TRAINER_CACHE=str(cache), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
 
     def run(
-        *args: str, timeout: float = 240, env: dict[str, str] | None = None
+        *args: str, timeout: float = hang_guard(240), env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "trainer", *args],

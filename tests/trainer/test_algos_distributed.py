@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from deadlines import hang_guard
 
 from trainer.algos import AGG_MODES, agg_norm, policy_loss
 from trainer.distributed import run_distributed
@@ -138,7 +139,7 @@ def runs() -> tuple[dict, list[dict]]:
             reference[f"{mode}/clipfracs"] = clipfracs
     finally:
         torch.set_num_threads(threads)
-    per_rank = run_distributed(_rank_fn, 2, state, batch, backend="gloo", timeout_s=120)
+    per_rank = run_distributed(_rank_fn, 2, state, batch, backend="gloo", timeout_s=hang_guard(120))
     return reference, per_rank
 
 

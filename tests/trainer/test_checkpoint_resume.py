@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from deadlines import hang_guard
 
 from trainer.models import ensure_tiny_model
 
@@ -80,7 +81,9 @@ def _env(ray_tmp: str) -> dict[str, str]:
 
 
 def _run(args, env) -> None:
-    proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        args, env=env, cwd=REPO, capture_output=True, text=True, timeout=hang_guard(240)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -95,7 +98,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    proc.wait(timeout=30)
+    proc.wait(timeout=hang_guard(30))
     deadline = time.time() + 15
     while time.time() < deadline and any(
         psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in family
@@ -156,7 +159,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir,
         _kill_tree(proc)
         log.close()
     assert proc.returncode == -signal.SIGKILL
-    out_a, _ = run_a.communicate(timeout=240)
+    out_a, _ = run_a.communicate(timeout=hang_guard(240))
     assert run_a.returncode == 0, out_a
     for later in (b / "checkpoints").glob("step_*"):
         if later.name != f"step_{K:06d}":  # a save that raced the kill: resume from K regardless

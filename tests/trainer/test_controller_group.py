@@ -16,6 +16,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from deadlines import hang_guard
 from ray import cloudpickle
 from tensordict import TensorDict
 
@@ -276,7 +277,7 @@ def test_pool_feasible_on_paper_but_taken_is_an_error_not_a_wait(groups_shared):
     start = time.monotonic()
     with pytest.raises(InfeasibleError, match=r"resource pool 'late'.*not ready after 1 s"):
         manager.reserve(timeout_s=1)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < hang_guard(10)
     assert ray.util.placement_group_table() and all(
         pg["state"] != "PENDING" for pg in ray.util.placement_group_table().values()
     )  # the pending group was removed, not left to grab resources later
@@ -290,7 +291,7 @@ def test_worker_that_dies_is_a_clear_error_not_a_hang(groups_shared):
         start = time.monotonic()
         with pytest.raises(WorkerDiedError) as info:
             group.crash()  # rank 0 stays blocked in all_reduce; the driver must not wait for it
-        assert time.monotonic() - start < 30
+        assert time.monotonic() - start < hang_guard(30)
         assert info.value.rank == 1 and info.value.role == "crash"
         assert "the process of rank 1 (role 'crash') died during crash.crash" in str(info.value)
         group.shutdown()

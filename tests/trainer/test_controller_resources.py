@@ -16,6 +16,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from deadlines import hang_guard
 from ray import cloudpickle
 from ray.util.placement_group import placement_group_table
 
@@ -194,7 +195,7 @@ def test_strict_pack_infeasible_fails_fast_on_real_cluster(two_nodes_shared):
     start = time.monotonic()
     with pytest.raises(InfeasibleError) as info:
         create_role_groups(manager, {"actor": (WhereWorker, {})})
-    assert time.monotonic() - start < 5  # fails at once, not after a placement timeout
+    assert time.monotonic() - start < 30  # fails at once, not after the 60 s placement timeout
     message = str(info.value)
     assert "resource pool 'actor' asks for 8 processes" in message
     assert message.count("{CPU=4, GPU=4}") == 2  # both nodes' sizes
@@ -247,7 +248,7 @@ def test_rank_to_node_mapping_is_stable_across_restarts(two_nodes_shared):
     assert mappings[1] == mappings[0] and mappings[2] == mappings[0]
 
 
-def _wait_alive(count: int, timeout_s: float = 30) -> None:
+def _wait_alive(count: int, timeout_s: float = hang_guard(30)) -> None:
     deadline = time.monotonic() + timeout_s
     while sum(n["Alive"] for n in ray.nodes()) != count:
         assert time.monotonic() < deadline, f"{count} alive nodes expected: {ray.nodes()}"

@@ -10,6 +10,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from deadlines import hang_guard
 
 from trainer.distributed import (
     DistributedRankError,
@@ -82,7 +83,7 @@ def test_default_backend_matches_cuda_availability() -> None:
 
 
 def test_returns_each_ranks_value_in_rank_order() -> None:
-    out = run_distributed(_sum_of_ranks, 2, 10.0, backend="gloo", timeout_s=60)
+    out = run_distributed(_sum_of_ranks, 2, 10.0, backend="gloo", timeout_s=hang_guard(60))
     assert [o["rank"] for o in out] == [0, 1]
     assert [o["dist_rank"] for o in out] == [0, 1]
     assert all(o["world_size"] == 2 and o["backend"] == "gloo" for o in out)
@@ -96,7 +97,7 @@ def test_returns_each_ranks_value_in_rank_order() -> None:
 def test_exception_on_rank_one_names_rank_one_with_remote_traceback() -> None:
     start = time.monotonic()
     with pytest.raises(DistributedRankError) as info:
-        run_distributed(_rank_one_raises, 2, backend="gloo", timeout_s=60)
+        run_distributed(_rank_one_raises, 2, backend="gloo", timeout_s=hang_guard(60))
     err = info.value
     assert err.rank == 1
     assert "rank 1 raised ValueError: boom from the second rank" in str(err)
@@ -109,7 +110,7 @@ def test_exception_on_rank_one_names_rank_one_with_remote_traceback() -> None:
 def test_rank_that_exits_silently_does_not_hang_the_caller() -> None:
     start = time.monotonic()
     with pytest.raises(DistributedRankError) as info:
-        run_distributed(_rank_one_exits, 2, backend="gloo", timeout_s=60)
+        run_distributed(_rank_one_exits, 2, backend="gloo", timeout_s=hang_guard(60))
     assert info.value.rank == 1
     assert info.value.exitcode == 7
     assert "rank 1 exited with code 7 without returning a result" in str(info.value)

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from deadlines import hang_guard
 from tensordict import TensorDict
 
 from trainer.distributed import run_distributed
@@ -125,7 +126,9 @@ def fsdp_run(model_dir, tmp_path_factory):
     """The batch, each rank's results, and the checkpoint directory of one 2-rank run."""
     td = _batch(model_dir)
     ckpt = tmp_path_factory.mktemp("ckpt")
-    out = run_distributed(_rank_main, 2, model_dir, td, str(ckpt), backend="gloo", timeout_s=150)
+    out = run_distributed(
+        _rank_main, 2, model_dir, td, str(ckpt), backend="gloo", timeout_s=hang_guard(150)
+    )
     return td, out, ckpt
 
 

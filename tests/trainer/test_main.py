@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from deadlines import hang_guard
+
 
 def test_a_tiny_run_prints_where_its_outputs_are(trainer_cli, tmp_path):
     """Also: the address a crashed ``ray start`` left behind does not stop a fresh run."""
@@ -68,7 +70,9 @@ def test_help_and_bad_overrides(trainer_cli):
 def test_a_bad_data_file_fails_at_start_naming_file_and_column(trainer_cli, tmp_path):
     f = tmp_path / "train.jsonl"
     f.write_text(json.dumps({"question": "1+1=", "ground_truth": "2"}) + "\n")
-    proc = trainer_cli(f"data.train_files=[{f}]", f"trainer.run_dir={tmp_path / 'r'}", timeout=60)
+    proc = trainer_cli(
+        f"data.train_files=[{f}]", f"trainer.run_dir={tmp_path / 'r'}", timeout=hang_guard(60)
+    )
     assert proc.returncode != 0
     assert f"{f}: missing column 'prompt'" in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr  # failed before starting Ray

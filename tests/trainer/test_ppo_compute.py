@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deadlines import hang_guard
 from tensordict import TensorDict
 
 from trainer.distributed import run_distributed
@@ -146,7 +147,9 @@ def test_two_gloo_ranks_with_micro_batches_equal_one_process(model_dir, mode):
     td = _batch(model_dir, rows=16, seed=3)
     td["response_mask"][5] = 0  # a fully masked row on rank 0 (like driver padding)
     td["advantages"][5] = 0
-    per_rank = run_distributed(_rank_train, 2, model_dir, td, mode, backend="gloo", timeout_s=120)
+    per_rank = run_distributed(
+        _rank_train, 2, model_dir, td, mode, backend="gloo", timeout_s=hang_guard(120)
+    )
     _assert_close(per_rank[0], per_rank[1])  # ranks stay in sync
     # Single process: same mini-batches = union of each rank's mini-batch k.
     from trainer.workers.compute import _mini_batches

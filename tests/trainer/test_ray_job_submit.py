@@ -36,9 +36,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from deadlines import hang_guard
 
 RAY = str(Path(sys.executable).with_name("ray"))
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(hang_guard(300))
 
 _PORT_OPTIONS = (
     "--port",
@@ -121,11 +122,11 @@ def _stop(head: subprocess.Popen, tree: list[psutil.Process]) -> None:
     if head.poll() is None:
         head.send_signal(signal.SIGTERM)
         try:
-            head.wait(timeout=40)
+            head.wait(timeout=hang_guard(40))
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()
-    _, alive = psutil.wait_procs(tree, timeout=10)
+    _, alive = psutil.wait_procs(tree, timeout=hang_guard(10))
     for proc in alive:
         try:
             proc.kill()
@@ -173,7 +174,7 @@ def _ray_head(temp_dir: Path, log: Path) -> Iterator[RayHead]:
             command, env=_ray_env(), stdout=out, stderr=subprocess.STDOUT, process_group=0
         )
     try:
-        _wait_for_dashboard(cluster.url, head, log, timeout_s=90)
+        _wait_for_dashboard(cluster.url, head, log, timeout_s=hang_guard(90))
         yield cluster
     finally:
         # Workers leave the process group, but stay in the process tree.
@@ -224,7 +225,7 @@ def test_ray_job_submit_runtime_env_wins_and_cluster_is_stopped(tmp_path):
     try:
         with _ray_head(temp_dir, tmp_path / "head.log") as cluster:
             runtime_env = {"env_vars": {"NCCL_DEBUG": "INFO"}, "working_dir": str(working_dir)}
-            done = _submit(cluster.url, runtime_env, [sys.executable, "driver.py"], 180)
+            done = _submit(cluster.url, runtime_env, [sys.executable, "driver.py"], hang_guard(180))
             # The trainer itself as a job: it joins the cluster (Ray sets RAY_ADDRESS).
             trainer_env = {
                 "env_vars": {"PYTHONPATH": str(REPO), "TRAINER_CACHE": str(tmp_path / "cache")}
@@ -233,7 +234,7 @@ def test_ray_job_submit_runtime_env_wins_and_cluster_is_stopped(tmp_path):
                 cluster.url,
                 trainer_env,
                 [sys.executable, "-m", "trainer", *TINY_RUN, f"trainer.run_dir={tmp_path / 'run'}"],
-                180,
+                hang_guard(180),
             )
         assert len(cluster.tree) >= 3, "expected gcs, raylet, dashboard, ... in the tree"
         assert [p.pid for p in cluster.tree if p.is_running()] == []

@@ -22,6 +22,7 @@ from trainer.models import TinySpec, ensure_tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_faults  # noqa: E402
 import vllm_ranks  # noqa: E402  (rank functions must be importable by spawned ranks)
+from deadlines import hang_guard
 
 
 def _cpu_vllm() -> str | None:
@@ -45,7 +46,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def test_greedy_tokens_equal_hf_generate_and_follow_pushed_weights(model_dir):
     [out] = run_distributed(
-        vllm_ranks.greedy_against_hf, 1, model_dir, "cpu", backend="gloo", timeout_s=300
+        vllm_ranks.greedy_against_hf, 1, model_dir, "cpu", backend="gloo", timeout_s=hang_guard(300)
     )
     before_vllm, before_hf = out["before"]
     after_vllm, after_hf = out["after"]
@@ -58,7 +59,7 @@ def test_greedy_tokens_equal_hf_generate_and_follow_pushed_weights(model_dir):
 
 def test_two_gloo_ranks_each_sample_with_their_own_engine_and_stay_in_sync(model_dir):
     outs = run_distributed(
-        vllm_ranks.two_ranks_sync, 2, model_dir, "cpu", backend="gloo", timeout_s=300
+        vllm_ranks.two_ranks_sync, 2, model_dir, "cpu", backend="gloo", timeout_s=hang_guard(300)
     )
     for rank, out in enumerate(outs):
         assert out["world"] == 2
@@ -97,7 +98,7 @@ def test_a_shape_the_cpu_kernels_cannot_run_is_refused_before_vllm_starts(tmp_pa
 def test_each_broken_sync_fails_the_mismatch_check_and_the_real_one_passes(model_dir):
     faults = [None, *vllm_faults.FAULTS]
     [out] = run_distributed(
-        vllm_ranks.steps_per_fault, 1, model_dir, faults, backend="gloo", timeout_s=400
+        vllm_ranks.steps_per_fault, 1, model_dir, faults, backend="gloo", timeout_s=hang_guard(400)
     )
     vllm_faults.assert_in_sync(out[None])
     for fault in vllm_faults.FAULTS:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from deadlines import hang_guard
 from test_vllm_engine import _cpu_vllm  # noqa: E402  (same skip rule)
 from vllm_faults import assert_in_sync
 
@@ -58,7 +59,7 @@ def _tagged(tag: str) -> list[psutil.Process]:
 def _assert_all_gone(tag: str, seen: list[psutil.Process]) -> None:
     """Every process of the run (seen during it, or carrying its tag now) exits within 30 s."""
     procs = {p.pid: p for p in [*seen, *_tagged(tag)]}
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=30)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=hang_guard(30))
     alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"processes of the run still alive: {[p.pid for p in alive]}"
 
@@ -67,7 +68,11 @@ def test_the_real_sync_keeps_engine_and_actor_within_1e_3_for_10_steps(trainer_c
     tag = uuid.uuid4().hex
     run_dir = tmp_path / "run"
     proc = trainer_cli(
-        *RUN, "trainer.total_steps=10", f"trainer.run_dir={run_dir}", env={TAG: tag}, timeout=400
+        *RUN,
+        "trainer.total_steps=10",
+        f"trainer.run_dir={run_dir}",
+        env={TAG: tag},
+        timeout=hang_guard(400),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _metrics(run_dir)
@@ -91,7 +96,7 @@ def test_a_broken_sync_fails_the_mismatch_check_end_to_end(trainer_cli, tmp_path
         "trainer.total_steps=4",
         f"trainer.run_dir={run_dir}",
         env={"TRAINER_EXTRA_WORKER_SETUP_HOOK": f"{FAULTS}:skip_push_after_first"},
-        timeout=400,
+        timeout=hang_guard(400),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _metrics(run_dir)
@@ -140,7 +145,7 @@ def test_killing_a_worker_ends_the_run_and_leaves_no_process(tmp_path):
         ]
         seen += children
         workers[0].send_signal(signal.SIGKILL)
-        out, _ = driver.communicate(timeout=180)
+        out, _ = driver.communicate(timeout=hang_guard(180))
         assert driver.returncode != 0, out
         assert "died" in out or "Died" in out or "dead" in out, out[-3000:]
     finally:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deadlines import hang_guard
+
 from gpusched.proctree import TAG_VARIABLE, processes_with
 
 MARK_VARIABLE = "FAULTKIT_MARK"
@@ -194,7 +196,7 @@ class Sandbox:
             time.sleep(0.05)
         return path
 
-    def finish(self, proc: subprocess.Popen, timeout: float = 120.0) -> RunOutput:
+    def finish(self, proc: subprocess.Popen, timeout: float = hang_guard(120)) -> RunOutput:
         """Wait for a started run (killing it past ``timeout``) and read its reports."""
         try:
             code = proc.wait(timeout)
@@ -209,7 +211,7 @@ class Sandbox:
         junit = ET.parse(self.junit_path).getroot() if self.junit_path.exists() else None
         return RunOutput(code, self.output(), seconds, report, junit)
 
-    def run(self, *args: str, timeout: float = 120.0) -> RunOutput:
+    def run(self, *args: str, timeout: float = hang_guard(120)) -> RunOutput:
         return self.finish(self.start(*args), timeout)
 
     def signal_when(self, proc: subprocess.Popen, signum: int) -> float:

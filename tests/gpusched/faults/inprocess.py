@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from deadlines import hang_guard
 from faultkit import Observation, Sandbox, alive, observe, read_pids
 
 from gpusched.forkclient import ServerSpec, start_server
@@ -86,7 +87,7 @@ def build(
     box.on_close.append(startup.server.close)
     config = RunConfig(
         pytest_args=(),
-        timeout=60.0,
+        timeout=hang_guard(60),
         kill_grace=2.0,
         simulated=True,
         log_dir=logs,

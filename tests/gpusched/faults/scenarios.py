@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import inprocess
+from deadlines import hang_guard
 from faultkit import Observation, RunOutput, Sandbox, alive, observe, read_pids
 
 
@@ -320,7 +321,7 @@ def sigterm() -> Observation:
         try:
             box.wait_for_file("running.pids")
             proc.send_signal(signal.SIGTERM)
-            run = box.finish(proc, timeout=60)
+            run = box.finish(proc, timeout=hang_guard(60))
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -353,7 +354,7 @@ def sigint_during_collection() -> Observation:
         try:
             box.wait_for_file("collecting")
             proc.send_signal(signal.SIGINT)
-            run = box.finish(proc, timeout=60)
+            run = box.finish(proc, timeout=hang_guard(60))
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -376,7 +377,7 @@ def sigint_during_collection() -> Observation:
 def collection_timeout() -> Observation:
     """Item 5: a conftest that hangs at import, with ``--collect-timeout 2``."""
     with Sandbox(HANG_CONFTEST) as box:
-        run = box.run("--collect-timeout", "2", timeout=60)
+        run = box.run("--collect-timeout", "2", timeout=hang_guard(60))
         said = "collection timed out after 2s (--collect-timeout)" in run.out
         return observe(
             box,

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import scenarios
+from deadlines import hang_guard
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(hang_guard(90))
 def test_collection_timeout_is_clear_and_leaves_nothing(checked):
     observation = scenarios.collection_timeout()
     checked(observation)
     assert "a conftest or test module probably hangs at import" in observation.run.out
-    assert observation.run.seconds < 30  # bounded by --collect-timeout 2, not the 300 s hang
+    assert observation.run.seconds < 150  # bounded by --collect-timeout 2, not the 300 s hang
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(hang_guard(90))
 def test_heartbeat_one_line_per_interval(checked):
     observation = scenarios.heartbeat()
     checked(observation)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import scenarios
+from deadlines import hang_guard
 
 from gpusched.childenv import child_env, filesystem_type, is_network_fs, local_tmp_root
 
@@ -62,7 +63,7 @@ def test_local_short_tmpdir_is_kept():
     assert root == "/tmp" and "too long" in warning
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(hang_guard(240))
 def test_two_files_start_two_separate_ray_clusters(checked):
     pytest.importorskip("ray")
     observation = scenarios.two_ray_clusters()

@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 import scenarios
+from deadlines import hang_guard
 from faultkit import alive
 
 from gpusched.proctree import TAG_VARIABLE, kill_job
@@ -32,7 +33,7 @@ time.sleep(300)
 """
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(hang_guard(60))
 def test_kill_job_finds_escapees_by_tag_and_descent(tmp_path):
     """kill_job alone: a setsid child (a descendant) and a double-forked daemon (the tag only)."""
     tag = f"faults-{time.monotonic_ns()}"
@@ -65,7 +66,7 @@ def kill_observations():
     return scenarios.kills()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_escaped_processes_are_killed_before_the_card_is_reused(kill_observations, checked):
     escape = kill_observations[0]
     checked(escape)
@@ -77,7 +78,7 @@ def test_escaped_processes_are_killed_before_the_card_is_reused(kill_observation
     assert run.file("test_next.py")["cards"] == run.file("test_escape.py")["cards"] == ["0"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_sigterm_ignoring_job_gets_sigkill_after_grace(kill_observations, checked):
     ignores = kill_observations[1]
     checked(ignores)
@@ -86,13 +87,13 @@ def test_sigterm_ignoring_job_gets_sigkill_after_grace(kill_observations, checke
     assert ignores.run.tests("test_ignores_term.py") == {"test_ignores_sigterm": "timeout"}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_test_code_may_call_setpgrp(kill_observations, checked):
     checked(kill_observations[2])
     assert kill_observations[2].run.code == 1  # the two timeouts
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_crashes_keep_finished_outcomes_and_the_run_goes_on(checked):
     observations = scenarios.crashes()
     for observation in observations:
@@ -123,7 +124,7 @@ for pause in (0.2, 300):
 """
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(hang_guard(60))
 def test_settle_window_does_not_count_helpers_that_end_by_themselves():
     tag = f"settle-{time.monotonic_ns()}"
     root = subprocess.Popen(

@@ -6,6 +6,7 @@ import asyncio
 
 import inprocess
 import pytest
+from deadlines import hang_guard
 
 from gpusched.release import CardReading, NvmlRelease, blocker
 
@@ -95,7 +96,7 @@ def test_bad_bounds_are_refused():
         NvmlRelease(ScriptedNvml({}), 1.0, -5)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_runner_waits_for_held_memory_and_quarantines_a_dead_card(checked):
     held, dead = inprocess.gpu_release()
     checked(held)

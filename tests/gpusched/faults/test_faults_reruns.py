@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import scenarios
+from deadlines import hang_guard
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_flaky_file_is_rerun_in_a_fresh_process(checked):
     observation = scenarios.flaky()
     checked(observation)

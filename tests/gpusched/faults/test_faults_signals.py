@@ -5,6 +5,7 @@ from __future__ import annotations
 import inprocess
 import pytest
 import scenarios
+from deadlines import hang_guard
 
 
 def _reports_agree(run, interrupted: str, pending: list[str]) -> None:
@@ -18,7 +19,7 @@ def _reports_agree(run, interrupted: str, pending: list[str]) -> None:
     assert run.last_line == "gpusched: 0 passed, 0 failed, 0 skipped"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_sigint_then_second_sigint_kills_at_once(checked):
     observation = scenarios.sigint_twice()
     checked(observation)
@@ -30,14 +31,14 @@ def test_sigint_then_second_sigint_kills_at_once(checked):
     assert run.file("test_a_hang.py")["returncode"] == -9
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_sigterm_interrupts_like_ctrl_c(checked):
     observation = scenarios.sigterm()
     checked(observation)
     _reports_agree(observation.run, "test_a_sleep.py", ["test_b.py"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_sigint_during_collection(checked):
     observation = scenarios.sigint_during_collection()
     checked(observation)
@@ -45,7 +46,7 @@ def test_sigint_during_collection(checked):
     assert observation.run.last_line == "gpusched: 0 passed, 0 failed, 0 skipped"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_runner_task_cancelled_from_outside(checked):
     observation = inprocess.cancelled()
     checked(observation)
@@ -55,7 +56,7 @@ def test_runner_task_cancelled_from_outside(checked):
     }
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(hang_guard(120))
 def test_keyboard_interrupt_in_the_runner_loop(checked):
     observation = inprocess.keyboard_interrupt()
     checked(observation)
