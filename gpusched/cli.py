@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpusched import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, STATE_DIR
+from gpusched import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, STATE_DIR, __version__
 from gpusched.collect import CollectionFailed
 from gpusched.forkclient import EarlyServer, start_early_server
 from gpusched.options import (
@@ -49,14 +49,24 @@ SHARD_HELP = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting 2, so a usage error exits 4 like pytest's."""
+    """argparse that raises instead of exiting 2, so a usage error exits 4 like pytest's.
+
+    The message carries no prefix: ``main`` prints every usage error once, as
+    ``gpusched: error: <message>``; the hint names the (sub)command's help.
+    """
 
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(f"{message}; see '{self.prog} --help'")
+
+
+def version_line() -> str:
+    """What ``gpusched --version`` prints: the installed distribution's version."""
+    return f"gpusched {__version__}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gpusched", description="GPU-aware scheduling of pytest suites")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser(
         "run",
@@ -213,8 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ShardError) as exc:
         print(f"gpusched: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except CollectionFailed as exc:
-        print(f"gpusched: {exc}", file=sys.stderr)
+    except CollectionFailed as exc:  # shard and matrix collect here; run and plan report their own
+        kind = "error: " if exc.exit_code == EXIT_USAGE else ""
+        print(f"gpusched: {kind}{exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("gpusched: interrupted", file=sys.stderr)

@@ -380,9 +380,9 @@ def _run_prepared(
         reporter.say("gpusched: interrupted during collection")
         return _finish([], True, [], settings, reporter)
     except CollectionFailed as exc:
-        reporter.say(f"gpusched: {exc}")
         if exc.exit_code == EXIT_USAGE:
-            raise UsageError(str(exc)) from None
+            raise UsageError(str(exc)) from None  # the command line prints it, once
+        reporter.say(f"gpusched: {exc}")
         return exc.exit_code
     for warning in prepared.warnings:
         reporter.say(f"gpusched: warning: {warning}")

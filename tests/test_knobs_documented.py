@@ -1,4 +1,4 @@
-"""Every TRAINER_* / GPUSCHED_* variable the code reads has a row in the README's knob table.
+"""Every TRAINER_* / GPUSCHED_* variable the code reads has a row in the reference's table.
 
 A knob is found two ways: a string literal that is exactly such a name anywhere
 in ``trainer/`` or ``gpusched/`` (whether read directly, through an ``env_*``
@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("trainer", "gpusched")
 KNOB = re.compile(r"(?:TRAINER|GPUSCHED)_[A-Z0-9_]+")
 ROW = re.compile(r"^\|\s*`([A-Z0-9_]+)`\s*\|")
+PAGE = ROOT / "docs" / "reference.md"
+SECTION = "## Environment variables"
 
 
 def knobs_in_source(root: Path, dirs: tuple[str, ...] = SOURCE_DIRS) -> dict[str, list[str]]:
@@ -45,13 +47,13 @@ def option_knobs() -> dict[str, list[str]]:
     return {option.env: [f"gpusched/options.py ({option.flags[0]})"] for option in OPTIONS}
 
 
-def knob_table(readme: str) -> dict[str, list[str]]:
-    """Rows of the ``## Knobs`` section (up to the next ``## `` heading): name -> cells."""
-    lines = readme.splitlines()
+def knob_table(page: str) -> dict[str, list[str]]:
+    """Rows of the ``## Environment variables`` section (up to the next ``## ``): name -> cells."""
+    lines = page.splitlines()
     try:
-        start = lines.index("## Knobs")
+        start = lines.index(SECTION)
     except ValueError:
-        raise AssertionError("README.md has no '## Knobs' section") from None
+        raise AssertionError(f"{PAGE} has no '{SECTION}' section") from None
     rows: dict[str, list[str]] = {}
     for line in lines[start + 1 :]:
         if line.startswith("## "):
@@ -65,7 +67,7 @@ def knob_table(readme: str) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def table() -> dict[str, list[str]]:
-    return knob_table((ROOT / "README.md").read_text())
+    return knob_table(PAGE.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +77,14 @@ def knobs() -> dict[str, list[str]]:
 
 def test_every_knob_read_is_documented(knobs, table):
     missing = {name: where for name, where in sorted(knobs.items()) if name not in table}
-    assert not missing, "knobs read but missing from README '## Knobs': " + "; ".join(
+    assert not missing, f"knobs read but missing from {PAGE.name} '{SECTION}': " + "; ".join(
         f"{name} (read at {', '.join(where)})" for name, where in missing.items()
     )
 
 
 def test_every_documented_knob_is_read(knobs, table):
     stale = sorted(set(table) - set(knobs))
-    assert not stale, f"README '## Knobs' documents variables nothing reads: {stale}"
+    assert not stale, f"{PAGE.name} '{SECTION}' documents variables nothing reads: {stale}"
 
 
 def test_every_row_has_default_reader_and_meaning(table):
@@ -109,11 +111,11 @@ def test_scanner_finds_reads_and_ignores_prose(tmp_path):
 
 
 def test_table_parser_stops_at_next_section():
-    readme = (
-        "## Knobs\n\n| Variable | Default | Read by | Meaning |\n|---|---|---|---|\n"
+    page = (
+        "## Environment variables\n\n| Variable | Default | Read by | Meaning |\n|---|---|---|---|\n"
         "| `TRAINER_A` | 1 | driver | a |\n\n## Next\n\n| `TRAINER_B` | 2 | worker | b |\n"
     )
-    assert knob_table(readme) == {"TRAINER_A": ["`TRAINER_A`", "1", "driver", "a"]}
+    assert knob_table(page) == {"TRAINER_A": ["`TRAINER_A`", "1", "driver", "a"]}
 
 
 def test_every_run_option_has_a_row_in_the_gpusched_guide():

@@ -2,8 +2,13 @@
 
 Defaults: the tiny built-in model, the ``repeat`` task, PPO with GAE and a
 critic, two colocated CPU workers. ``algo=grpo`` trains without a critic.
-Writes ``metrics.jsonl`` and ``reward_curve.png`` (and TensorBoard events when
-tensorboard is installed) to the run directory and prints where they are.
+Writes ``metrics.jsonl`` and ``reward_curve.png`` to the run directory and
+prints where they are; ``trainer.loggers=[tensorboard,wandb,mlflow]`` (any of
+them, each an extra: ``pip install 'pytest-gpusched[wandb]'``) also logs every
+step to those trackers, and TensorBoard is added when its package is installed
+unless ``trainer.tensorboard=false``. A chosen tracker whose package is missing
+is a configuration error (exit status 2) before Ray starts. A resumed run
+continues the same W&B and MLflow runs (their ids are in ``trackers.json``).
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer import DISTRIBUTION, __version__
+from trainer.cli_help import config_keys, format_keys, section_docs
 from trainer.config import Config, ConfigError, load_config, to_dict
+from trainer.progress import Progress as _Progress  # a bar on a terminal, else plain lines
 
 USAGE = """usage: python -m trainer [key=value ...]
+       python -m trainer --help | --version
 
 Examples:
   python -m trainer                                  PPO (GAE + critic) on the repeat task
@@ -27,8 +36,21 @@ Examples:
       reward.function=my_pkg.rewards:score model.path=/models/Qwen2.5-0.5B
   python -m trainer trainer.run_dir=runs/a trainer.save_every=10 trainer.resume=auto
 
-Every key is a field of trainer.config.Config (see docs/trainer.md).
+Every key is a field of trainer.config.Config, listed below by section as
+key: type = default, with the field's docstring (see docs/trainer.md).
+Lists are written key=[a,b]; booleans key=true or key=false.
 """
+
+
+def help_text() -> str:
+    """What ``--help`` prints: USAGE, then every key of :class:`Config` with type, default, help."""
+    defaults = Config()
+    return f"{USAGE}\n{format_keys(config_keys(defaults), section_docs(defaults))}"
+
+
+def version_line() -> str:
+    """What ``--version`` prints: the installed distribution's version, the same as gpusched's."""
+    return f"trainer {__version__} ({DISTRIBUTION})"
 
 
 @dataclass
@@ -50,57 +72,6 @@ class RunResult:
 def default_run_dir(cfg: Config) -> Path:
     """``runs/<time>-<algo>-seed<seed>`` under the current directory."""
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algo}-seed{cfg.seed}"
-
-
-class _Progress:
-    """A rich progress bar with the latest rewards; plain lines when disabled."""
-
-    def __init__(self, enabled: bool, total: int, start: int) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.last_val: float | None = None
-        if enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.bar = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("reward {task.fields[reward]}"),
-                TextColumn("val {task.fields[val]}"),
-                TimeElapsedColumn(),
-            )
-            self.bar.start()
-            self.task = self.bar.add_task(
-                "train", total=total, completed=start, reward="-", val="-"
-            )
-
-    def update(self, step: int, m: dict[str, float]) -> None:
-        if "val/reward_mean" in m:
-            self.last_val = m["val/reward_mean"]
-        if self.bar is not None:
-            self.bar.update(
-                self.task,
-                completed=step,
-                reward=f"{m.get('rollout/reward_mean', float('nan')):.3f}",
-                val="-" if self.last_val is None else f"{self.last_val:.3f}",
-            )
-        elif "val/reward_mean" in m:
-            print(
-                f"step {step}: reward {m.get('rollout/reward_mean', float('nan')):.3f} "
-                f"val/reward_mean {m['val/reward_mean']:.3f}",
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _local_cpus(cfg: Config) -> int:
@@ -228,6 +199,7 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
     from trainer import checkpoint as ckpt
     from trainer.episodes import TrajectoryLog
     from trainer.ppo import PPOTrainer, build_worker_groups, shutdown_worker_groups
+    from trainer.trackers import chosen, open_trackers
     from trainer.tracking import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
 
     cfg, run_dir, t0 = p.cfg, p.run_dir, p.t0
@@ -264,9 +236,15 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
             trainer.load_state_dict(ckpt.load_driver_state(p.resume_from))
             print(f"trainer: resumed from {p.resume_from} at step {trainer.step}", flush=True)
         start_step = trainer.step
-        logger = MetricsLogger(
-            run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=trainer.step
+        trackers = open_trackers(
+            chosen(cfg.trainer.loggers, cfg.trainer.tensorboard),
+            run_dir,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name or run_dir.resolve().name,
+            resume_step=trainer.step,
+            config=to_dict(cfg),
         )
+        logger = MetricsLogger(run_dir, trackers, resume_step=trainer.step)
         progress = _Progress(
             cfg.trainer.progress and sys.stdout.isatty(), cfg.trainer.total_steps, trainer.step
         )
@@ -318,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     """Parse overrides, train, print where the outputs are. Returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
-        print(USAGE)
+        print(help_text())
+        return 0
+    if "--version" in args:
+        print(version_line())
         return 0
     try:
         cfg = load_config(args)

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 # One size syntax across the project ('256MiB', '40GB'); gpusched imports nothing heavy.
 from gpusched.requirements import parse_memory as parse_size
+from trainer.cli_help import config_keys, did_you_mean, suggest
 
 ALGOS = ("gae", "grpo", "grpo_no_std", "rloo", "reinforce_pp")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -219,8 +220,17 @@ class TrainerConfig:
     """cuda, cpu, or auto: cuda when the Ray cluster offers GPUs, cpu when it offers
     none (what the driver's CUDA shows does not matter). NCCL on cuda, gloo on cpu."""
     progress: bool = True
+    loggers: list[str] = field(default_factory=list)
+    """Experiment trackers besides metrics.jsonl and reward_curve.png (always written):
+    any of tensorboard, wandb, mlflow, e.g. [wandb,mlflow]. Each needs its extra
+    (pip install 'pytest-gpusched[wandb]'); a missing one is an error at start."""
     tensorboard: bool = True
-    """Also log to TensorBoard when it is installed."""
+    """Also TensorBoard when the tensorboard package is installed, without naming it in
+    trainer.loggers (which makes it required); false turns that off."""
+    project_name: str = "trainer"
+    """The W&B project and the MLflow experiment the run is logged under."""
+    experiment_name: str = ""
+    """The run's name in W&B and MLflow; empty means the run directory's name."""
     stop_at_val_reward: float = 0.0
     """Stop once validation reward reaches this value (0 disables)."""
 
@@ -265,15 +275,51 @@ def load_config(overrides: list[str] | None = None, base: dict[str, Any] | None 
                 raise ConfigError(
                     f"override {item!r}: expected key=value (e.g. trainer.total_steps=10)"
                 )
+            key, value = (part.strip() for part in item.split("=", 1))
+            _check_key(key)
+            if key in _list_keys() and value and not value.startswith("["):
+                item = f"{key}=[{value}]"  # trainer.loggers=wandb: a list of one
             layers.append(OmegaConf.from_dotlist([item]))
         merged = OmegaConf.merge(*layers)
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"bad configuration: {exc}") from None
+        raise _omegaconf_error(exc) from None
     validate(cfg)
     if cfg.trainer.device == "cuda":
         cfg.trainer.use_gpu = True  # GPU bundles in the placement groups
     return cfg
+
+
+def known_keys() -> list[str]:
+    """Every settable dotted key of :class:`Config` (``trainer.total_steps``), in order."""
+    return [key.name for key in config_keys(Config())]
+
+
+def _list_keys() -> frozenset[str]:
+    """The keys whose values are lists (``data.train_files``, ``trainer.loggers``)."""
+    return frozenset(key.name for key in config_keys(Config()) if key.type.startswith("list"))
+
+
+def _check_key(key: str) -> None:
+    """Raise :class:`ConfigError` naming the nearest keys unless ``key`` is a key or a section."""
+    names = known_keys()
+    if key in names or any(name.startswith(key + ".") for name in names):
+        return
+    hint = did_you_mean(suggest(key, names)) or "; python -m trainer --help lists every key"
+    raise ConfigError(f"unknown key {key!r}{hint}")
+
+
+def _omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
+    """OmegaConf's error as one line naming the key (keys given in ``base`` are checked here)."""
+    full_key = getattr(exc, "full_key", None)
+    message = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+    if full_key:
+        try:
+            _check_key(full_key)
+        except ConfigError as unknown:
+            return unknown
+        return ConfigError(f"{full_key}: {message}")
+    return ConfigError(f"bad configuration: {message}")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -425,6 +471,21 @@ def validate(cfg: Config) -> None:
         t.resume == "never" or bool(t.run_dir) or t.resume != "auto",
         "trainer.resume=auto needs trainer.run_dir: set the run directory to resume from",
     )
+    _validate_loggers(t)
+
+
+def _validate_loggers(t: TrainerConfig) -> None:
+    """``trainer.loggers``: known names whose packages are installed (checked before Ray starts)."""
+    from trainer.trackers import problem
+
+    for name in t.loggers:
+        message = problem(name)
+        _need(message is None, message or "")
+    _need(
+        t.tensorboard or "tensorboard" not in t.loggers,
+        "trainer.loggers names tensorboard and trainer.tensorboard=false: choose one",
+    )
+    _need(bool(t.project_name), "trainer.project_name: must not be empty")
 
 
 def _validate_multi_turn(cfg: Config) -> None:

@@ -1,24 +1,32 @@
-"""Where metrics go: JSON lines, a reward-curve PNG, TensorBoard when installed."""
+"""Where metrics go: JSON lines, a reward-curve PNG, and the trackers of ``trainer.loggers``."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.trackers import Tracker
 
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "reward_curve.png"
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl``.
+    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` and passes it to ``trackers``.
 
     Appending (not truncating) lets a resumed run continue the same file; the
     lines after the resume point are dropped first so no step appears twice.
+    The trackers (:mod:`trainer.trackers`, opened with the same ``resume_step``)
+    get each row's finite values and are closed by :meth:`close`.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: str | Path, trackers: Sequence[Tracker] = (), resume_step: int = 0
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -27,31 +35,31 @@ class MetricsLogger:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif not resume_step:
             self.path.write_text("")
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard not installed: JSON lines only
-                self.tb = None
-            else:
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.trackers = list(trackers)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Write ``metrics`` for ``step`` (non-finite floats become null)."""
+        """Write ``metrics`` for ``step`` (non-finite floats become null; trackers skip them)."""
         row = {"step": step}
         for k, v in metrics.items():
             v = float(v)
             row[k] = v if math.isfinite(v) else None
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and v is not None:
-                    self.tb.add_scalar(k, v, step)
+        finite = {k: v for k, v in row.items() if k != "step" and v is not None}
+        for tracker in self.trackers:
+            tracker.log(finite, step)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        """Close every tracker (each once, even when one of them fails)."""
+        trackers, self.trackers = self.trackers, []
+        errors = []
+        for tracker in trackers:
+            try:
+                tracker.close()
+            except Exception as exc:  # close the others; report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

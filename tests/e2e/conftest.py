@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deadlines import hang_guard
 
 from trainer.runtime_env import get_runtime_env
 
@@ -184,11 +183,7 @@ class DistributedRunner:
     max_world_size: int | None = None
 
     def __call__(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        *args: Any,
-        timeout_s: float = hang_guard(120),
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600
     ) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results."""
         from trainer.distributed import run_distributed

@@ -117,3 +117,10 @@ def test_settings_of_a_role_that_does_not_exist_are_not_validated():
     assert grpo.critic.ppo_mini_batch_size == 48
     with pytest.raises(ConfigError, match=r"critic.ppo_mini_batch_size=48 does not divide"):
         load_config(["algo=gae", "data.train_batch_size=128", "critic.ppo_mini_batch_size=48"])
+
+
+def test_a_bare_value_for_a_list_key_is_a_list_of_one():
+    assert load_config(["trainer.loggers=tensorboard"]).trainer.loggers == ["tensorboard"]
+    assert load_config(["trainer.loggers=[tensorboard]"]).trainer.loggers == ["tensorboard"]
+    assert load_config(["data.train_files=a.jsonl"]).data.train_files == ["a.jsonl"]
+    assert load_config(["trainer.total_steps=5"]).trainer.total_steps == 5  # scalars untouched
