@@ -39,9 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpusched import DISTRIBUTION
+
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 """The names ``trainer.loggers`` accepts; the extra of each has the same name."""
-DISTRIBUTION = "pytest-gpusched"
 IDS_FILE = "trackers.json"
 """``{"wandb": run id, "mlflow": run id}``: what a resumed run continues."""
 MLFLOW_DB = "mlflow.db"
