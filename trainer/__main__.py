@@ -53,6 +53,10 @@ def version_line() -> str:
     return f"trainer {__version__} ({DISTRIBUTION})"
 
 
+#: Where the end-of-run export (``trainer.export_final``) writes the policy, in the run directory.
+FINAL_MODEL_DIR = "final_model"
+
+
 @dataclass
 class RunResult:
     """What a run produced."""
@@ -253,17 +257,16 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
             metrics["timing/wall"] = time.perf_counter() - t0
             logger.log(metrics, step)
             progress.update(step, metrics)
+            writer.wait()  # the previous step's background save: committed, or an error here
             every = cfg.trainer.save_every
             if every and step and step % every == 0:
+                writer.save(step, trainer.state_dict(), cfg.trainer.async_save)
 
-                def save_workers(d: str) -> None:
-                    actor.save_checkpoint(d)
-                    if critic is not None:
-                        critic.save_checkpoint(d)
-
-                ckpt.save_checkpoint(run_dir, step, trainer.state_dict(), save_workers)
-
+        writer = _checkpoint_writer(run_dir, actor, critic, cfg.trainer.keep_checkpoints)
         history = trainer.fit(on_step)
+        writer.wait()
+        if cfg.trainer.export_final:
+            actor.save_model(str(run_dir / FINAL_MODEL_DIR))
     finally:
         if progress is not None:
             progress.close()
@@ -284,6 +287,23 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
         worker_pids,
         start_step,
     )
+
+
+def _checkpoint_writer(run_dir: Path, actor: Any, critic: Any, keep: int) -> Any:
+    """The driver's checkpoint writer over the actor (and critic) groups: every rank saves."""
+    from trainer import checkpoint as ckpt
+
+    roles = [g for g in (actor, critic) if g is not None]
+
+    def save_workers(d: str, asynchronous: bool) -> None:
+        for group in roles:
+            group.save_checkpoint(d, asynchronous=asynchronous)
+
+    def wait_workers() -> None:
+        for group in roles:
+            group.wait_checkpoint()
+
+    return ckpt.CheckpointWriter(run_dir, save_workers, wait_workers, keep=keep)
 
 
 def _yaml(d: dict[str, Any]) -> str:

@@ -199,7 +199,19 @@ class TrainerConfig:
     """Validate every k steps (and after the last); 0 disables."""
     val_before_train: bool = False
     save_every: int = 0
-    """Checkpoint every k steps; 0 disables."""
+    """Checkpoint every k steps; 0 disables. Every rank writes its own shard
+    (torch.distributed.checkpoint); resumable on another number of workers."""
+    async_save: bool = True
+    """Write checkpoints in the background: a save returns once the state is copied
+    to host memory, the next step runs while it is written, and the checkpoint is
+    committed at the next step (a failed write is an error there). false writes
+    before the next step starts."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; 0 keeps all."""
+    export_final: bool = True
+    """At the end of the run, write the policy as a Hugging Face model directory
+    (safetensors, config, tokenizer) to <run_dir>/final_model; false skips it
+    (python -m trainer.export exports any checkpoint later)."""
     resume: str = "never"
     """never, auto (latest checkpoint in run_dir), or a checkpoint directory."""
     run_dir: str = ""
@@ -354,6 +366,7 @@ def validate(cfg: Config) -> None:
         "data.val_files is set but data.train_files is empty: give train files too",
     )
     _need(r.n >= 1, f"rollout.n={r.n}: must be >= 1")
+    _need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints}: must be >= 0")
     _need(r.val_n >= 1, f"rollout.val_n={r.val_n}: must be >= 1")
     _need(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0")
     _need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")

@@ -10,17 +10,15 @@ reads like CleanRL's loop: generate -> reward -> old/ref log-probs -> values
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from tensordict import TensorDict
 
-from trainer import algos, episodes, rollout_mismatch
+from trainer import algos, episodes, rng, rollout_mismatch
 from trainer import batch as batch_ops
 from trainer.config import Config
 from trainer.data import PromptDataset, PromptLoader
@@ -551,16 +549,12 @@ class PPOTrainer:
     # ----------------------------------------------------------------- checkpoint state
 
     def state_dict(self) -> dict[str, Any]:
-        """Driver state for a checkpoint: step, data position, KL controller, RNG states."""
+        """Driver state for a checkpoint, JSON-able: step, data position, KL controller, RNG states."""
         return {
             "step": self.step,
             "loader": self.loader.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
+            "rng": rng.capture(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -568,6 +562,4 @@ class PPOTrainer:
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        rng.restore(state["rng"])

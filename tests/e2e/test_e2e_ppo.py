@@ -261,13 +261,18 @@ def _checkpoint_files(result: RunResult, step: int) -> list[str]:
 def test_checkpoint_holds_every_role_and_rank(gae_colocated: RunResult) -> None:
     files = _checkpoint_files(gae_colocated, LEARN_STEPS)
     ranks = len(gae_colocated.worker_pids["actor"])
-    expected = {"driver.pt", "actor_state.pt", "critic_state.pt"}
-    expected |= {f"{role}_rng_{r}.pt" for role in ("actor", "critic") for r in range(ranks)}
-    assert expected <= set(files), files
+    assert {"format.json", "driver.json", "actor", "critic"} <= set(files), files
+    for role in ("actor", "critic"):
+        directory = gae_colocated.run_dir / "checkpoints" / f"step_{LEARN_STEPS:06d}" / role
+        expected = {".metadata", "state.json"}
+        expected |= {f"__{r}_0.distcp" for r in range(ranks)} | {
+            f"rank_{r}.json" for r in range(ranks)
+        }
+        assert expected <= {p.name for p in directory.iterdir()}, role
 
 
 def test_resumed_run_continues_from_the_saved_step(grpo_kl_loss: RunResult, train) -> None:
-    assert "driver.pt" in _checkpoint_files(grpo_kl_loss, LEARN_STEPS)
+    assert "format.json" in _checkpoint_files(grpo_kl_loss, LEARN_STEPS)
     resumed = train(
         "grpo",
         *GRPO,

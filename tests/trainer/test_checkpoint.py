@@ -14,13 +14,13 @@ from trainer.checkpoint import (
 
 
 def _save_workers(d: str) -> None:
-    with open(f"{d}/actor_state.pt", "w") as fh:
+    with open(f"{d}/actor_weights", "w") as fh:
         fh.write("weights")
 
 
 def test_save_is_atomic_and_latest_is_found(tmp_path):
     first = save_checkpoint(tmp_path, 3, {"loader": {"epoch": 0, "position": 12}}, _save_workers)
-    assert first.name == "step_000003" and (first / "actor_state.pt").read_text() == "weights"
+    assert first.name == "step_000003" and (first / "actor_weights").read_text() == "weights"
     assert load_driver_state(first) == {"step": 3, "loader": {"epoch": 0, "position": 12}}
     second = save_checkpoint(tmp_path, 6, {}, _save_workers)
     assert latest_checkpoint(tmp_path) == second
@@ -44,7 +44,7 @@ def test_a_failed_save_leaves_nothing_behind(tmp_path):
 def test_incomplete_and_temporary_directories_are_ignored(tmp_path):
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_000009-abc").mkdir(parents=True)
-    (root / "step_000007").mkdir()  # no driver.pt: a partial copy, not a checkpoint
+    (root / "step_000007").mkdir()  # no format.json: a partial copy, not a checkpoint
     assert list_checkpoints(tmp_path) == []
     assert latest_checkpoint(tmp_path) is None
 

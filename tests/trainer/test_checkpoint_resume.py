@@ -5,6 +5,7 @@ SIGKILLed (driver and every process it started) once its step-k checkpoint
 exists, then started again with ``trainer.resume=auto`` to finish. Both write
 metrics.jsonl and a step-2k checkpoint: every metric at every step (all but
 wall-clock timings and peak memory, which depend on the machine) must be equal, and the final weights equal within 1e-6.
+The exported final model (``final_model/``) holds exactly the final checkpoint's policy.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import pytest
 import torch
 from deadlines import hang_guard
 
+from trainer.checkpoint_files import read_tensors
 from trainer.models import ensure_tiny_model
+from trainer.workers.setup import build_actor
 
 K = 3
 REPO = Path(__file__).resolve().parents[2]
@@ -120,9 +123,7 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
 
 
 def _weights(run_dir: Path, role: str) -> dict[str, torch.Tensor]:
-    return torch.load(
-        run_dir / "checkpoints" / f"step_{2 * K:06d}" / f"{role}_state.pt", weights_only=False
-    )["model"]
+    return read_tensors(run_dir / "checkpoints" / f"step_{2 * K:06d}" / role, prefix="model.")
 
 
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir, ray_tmp):
@@ -148,7 +149,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    marker = b / "checkpoints" / f"step_{K:06d}" / "driver.pt"
+    marker = b / "checkpoints" / f"step_{K:06d}" / "format.json"  # written last
     try:
         deadline = time.time() + 180
         while not marker.exists():
@@ -175,3 +176,9 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir,
         wa, wb = _weights(a, role), _weights(b, role)
         for name in wa:
             torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6)
+    # The end-of-run export (trainer.export_final) is the final policy, loadable by from_pretrained.
+    exported = build_actor(str(b / "final_model")).state_dict()
+    wb = _weights(b, "actor")
+    assert set(exported) == set(wb)
+    for name, value in wb.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0)

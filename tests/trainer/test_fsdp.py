@@ -9,7 +9,7 @@ unsharded, single-process model:
   with and without the shared-prompt forward;
 - generation and scoring inside :func:`gathered_for_inference` with a
   different number of forwards per rank (would deadlock without it);
-- full state dict (and the checkpoint file) load into a plain HF model that
+- full state dict (and the sharded checkpoint, read back whole) load into a plain HF model that
   then gives the sharded model's logits.
 """
 
@@ -78,7 +78,7 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _rank_main(rank: int, world: int, model_dir: str, td: TensorDict, ckpt_dir: str) -> dict:
-    from trainer.workers.state import load_training_state, save_training_state
+    from trainer.workers.state import CheckpointSaver, load_training_state
 
     torch.set_num_threads(1)
     model = fsdp.shard_model(build_actor(model_dir), torch.device("cpu"))
@@ -102,7 +102,7 @@ def _rank_main(rank: int, world: int, model_dir: str, td: TensorDict, ckpt_dir: 
     with fsdp.gathered_for_inference(model), torch.no_grad():
         logits = response_logits(model, td, 1.0)
 
-    save_training_state(ckpt_dir, "actor", rank, model, opt, None)
+    CheckpointSaver("actor", rank).save(ckpt_dir, model, opt, None)
     update_policy(model, opt, shard, SETTINGS)  # move away from the saved state...
     load_training_state(ckpt_dir, "actor", rank, model, opt, None)  # ...and back
     restored = fsdp.full_state_dict(model)
@@ -169,10 +169,11 @@ def test_fsdp2_on_two_gloo_ranks_matches_one_plain_process(model_dir, fsdp_run):
 
 def test_the_checkpoint_file_loads_into_a_plain_hf_model(model_dir, fsdp_run):
     td, out, ckpt = fsdp_run
-    payload = torch.load(ckpt / "actor_state.pt", map_location="cpu", weights_only=False)
+    from trainer.checkpoint_files import read_tensors
+
     plain = build_actor(model_dir)
-    plain.load_state_dict(payload["model"], strict=True)
+    plain.load_state_dict(read_tensors(ckpt / "actor", prefix="model."), strict=True)
     plain.eval()
     with torch.no_grad():
         torch.testing.assert_close(response_logits(plain, td, 1.0), out[0]["logits"])
-    assert payload["optimizer"]["state"], "the optimizer state was not saved"
+    assert read_tensors(ckpt / "actor", prefix="optim.state."), "the optimizer state was not saved"

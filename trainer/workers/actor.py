@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from tensordict import TensorDict
 
 from trainer.config import Config
 from trainer.controller import Dispatch, Worker
+from trainer.export import save_hf_model, write_hf_files
 from trainer.models import load_tokenizer
 from trainer.rollout import build_engine, build_rollout
 from trainer.workers import fsdp
@@ -35,7 +35,7 @@ from trainer.workers.settings import (
     share_prompt,
 )
 from trainer.workers.setup import build_actor, build_optimizer
-from trainer.workers.state import load_training_state, save_training_state
+from trainer.workers.state import CheckpointSaver, load_training_state
 
 __all__ = ["ActorRolloutRefWorker", "place_model", "seed_worker", "worker_device"]
 
@@ -67,6 +67,7 @@ class ActorRolloutRefWorker(Worker):
         "compute_ref_log_prob": Dispatch.DP_SPLIT,
         "update_actor": Dispatch.DP_SPLIT,
         "save_checkpoint": Dispatch.ONE_TO_ALL,
+        "wait_checkpoint": Dispatch.ONE_TO_ALL,
         "load_checkpoint": Dispatch.ONE_TO_ALL,
         "state_dict": Dispatch.RANK_ZERO,
         "full_state_dict": Dispatch.ONE_TO_ALL,
@@ -80,11 +81,13 @@ class ActorRolloutRefWorker(Worker):
         self.max_new_tokens = max_new_tokens
         self.device = worker_device(config.device_request)
         self.strategy = fsdp.resolve_strategy(config.actor.strategy, self.device.type)
+        self.saver: CheckpointSaver | None = None
 
     def init_model(self) -> None:
         """Join the process group, load policy (and reference), build optimizer and engine."""
         self.init_distributed(backend_for(self.device.type))
         seed_worker(self.cfg.seed, self.rank)
+        self.saver = CheckpointSaver("actor", self.rank)
         self.tokenizer = load_tokenizer(self.model_path)
         a = self.cfg.actor
         self.actor = place_model(
@@ -159,14 +162,27 @@ class ActorRolloutRefWorker(Worker):
         self.engine.sync_weights()
         return metrics
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Write policy, optimizer, scheduler (rank 0) and this rank's RNG states."""
-        save_training_state(
-            directory, "actor", self.rank, self.actor, self.optimizer, self.scheduler
+    def save_checkpoint(self, directory: str, asynchronous: bool = False) -> None:
+        """Write this rank's shard of policy and optimizer, its RNG and the scheduler.
+
+        Rank 0 adds the config and tokenizer (for ``python -m trainer.export``).
+        ``asynchronous``: return once staged in host memory; :meth:`wait_checkpoint` ends it.
+        """
+        self.saver.save(
+            directory,
+            self.actor,
+            self.optimizer,
+            self.scheduler,
+            asynchronous=asynchronous,
+            extra=lambda role_dir: write_hf_files(role_dir, self.actor, self.tokenizer),
         )
 
+    def wait_checkpoint(self) -> None:
+        """Wait for this rank's background checkpoint write; raise if it failed."""
+        self.saver.wait()
+
     def load_checkpoint(self, directory: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (each rank its own RNG)."""
+        """Restore what :meth:`save_checkpoint` wrote, whatever the saving world size."""
         load_training_state(
             directory, "actor", self.rank, self.actor, self.optimizer, self.scheduler
         )
@@ -191,9 +207,11 @@ class ActorRolloutRefWorker(Worker):
         return state if self.rank == 0 else None
 
     def save_model(self, directory: str) -> None:
-        """Save the policy with ``save_pretrained`` (rank 0 writes; every rank joins the gather)."""
+        """Write the policy as a Hugging Face directory (safetensors, config, tokenizer).
+
+        The end-of-run export: every rank joins the gather of the weights (not
+        the optimizer) to rank 0, which writes them as the plain model class.
+        """
         state = fsdp.full_state_dict(self.actor)
         if self.rank == 0:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            self.actor.save_pretrained(directory, state_dict=state)
-            self.tokenizer.save_pretrained(directory)
+            save_hf_model(directory, self.actor.config, state, self.tokenizer)

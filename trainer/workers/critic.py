@@ -12,7 +12,7 @@ from trainer.workers.compute import compute_values, update_value
 from trainer.workers.device import backend_for, worker_device
 from trainer.workers.settings import value_settings
 from trainer.workers.setup import build_critic, build_optimizer
-from trainer.workers.state import load_training_state, save_training_state
+from trainer.workers.state import CheckpointSaver, load_training_state
 
 
 class CriticWorker(Worker):
@@ -23,6 +23,7 @@ class CriticWorker(Worker):
         "compute_values": Dispatch.DP_SPLIT,
         "update_critic": Dispatch.DP_SPLIT,
         "save_checkpoint": Dispatch.ONE_TO_ALL,
+        "wait_checkpoint": Dispatch.ONE_TO_ALL,
         "load_checkpoint": Dispatch.ONE_TO_ALL,
     }
 
@@ -39,6 +40,7 @@ class CriticWorker(Worker):
         """Join the process group (shared with a colocated actor) and build critic + optimizer."""
         self.init_distributed(backend_for(self.device.type))
         seed_worker(self.cfg.seed, self.rank)
+        self.saver = CheckpointSaver("critic", self.rank)
         c = self.cfg.critic
         critic = build_critic(self.model_path, self.cfg.seed)
         self.critic = place_model(critic, self.device, self.strategy, c.offload)
@@ -65,14 +67,18 @@ class CriticWorker(Worker):
         metrics["critic/lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Write critic, optimizer, scheduler (rank 0) and this rank's RNG states."""
-        save_training_state(
-            directory, "critic", self.rank, self.critic, self.optimizer, self.scheduler
+    def save_checkpoint(self, directory: str, asynchronous: bool = False) -> None:
+        """Write this rank's shard of critic and optimizer, its RNG and the scheduler."""
+        self.saver.save(
+            directory, self.critic, self.optimizer, self.scheduler, asynchronous=asynchronous
         )
 
+    def wait_checkpoint(self) -> None:
+        """Wait for this rank's background checkpoint write; raise if it failed."""
+        self.saver.wait()
+
     def load_checkpoint(self, directory: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote."""
+        """Restore what :meth:`save_checkpoint` wrote, whatever the saving world size."""
         load_training_state(
             directory, "critic", self.rank, self.critic, self.optimizer, self.scheduler
         )
