@@ -37,6 +37,7 @@ from pathlib import Path
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from trainer.distributed import run_distributed  # noqa: E402
@@ -51,12 +52,10 @@ SPEC = TinySpec(
     max_position_embeddings=128,
 )
 MODES = ("full-gather", "sharded", "async")
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * _PAGE
+    return psutil.Process().memory_info().rss
 
 
 class _PeakRSS:

@@ -120,13 +120,8 @@ def save_checkpoint(
     temporary directory and returns when they are written. On any error the
     temporary directory is removed and the previous checkpoints stay as they were.
     """
-    tmp = begin_checkpoint(run_dir, step, driver_state)
-    try:
-        save_workers(str(tmp))
-        return commit_checkpoint(run_dir, tmp, step, keep)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    writer = CheckpointWriter(run_dir, lambda d, _: save_workers(d), lambda: None, keep)
+    return writer.save(step, driver_state, asynchronous=False)
 
 
 class CheckpointWriter:
@@ -150,8 +145,8 @@ class CheckpointWriter:
         self.keep = keep
         self._pending: tuple[int, Path] | None = None
 
-    def save(self, step: int, driver_state: dict[str, Any], asynchronous: bool) -> None:
-        """Checkpoint ``step``: committed now, or (asynchronous) at the next :meth:`wait`."""
+    def save(self, step: int, driver_state: dict[str, Any], asynchronous: bool) -> Path | None:
+        """Checkpoint ``step``: committed now (its path is returned), or at the next :meth:`wait`."""
         self.wait()
         tmp = begin_checkpoint(self.run_dir, step, driver_state)
         try:
@@ -160,8 +155,7 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._pending = (step, tmp)
-        if not asynchronous:
-            self.wait()
+        return None if asynchronous else self.wait()
 
     def wait(self) -> Path | None:
         """Finish the checkpoint in flight: wait for the workers, then commit it.
@@ -183,7 +177,11 @@ class CheckpointWriter:
                 f"failed ({_first_line(exc)}); the latest complete checkpoint is "
                 f"{latest_checkpoint(self.run_dir) or 'none'}"
             ) from exc
-        return commit_checkpoint(self.run_dir, tmp, step, self.keep)
+        try:
+            return commit_checkpoint(self.run_dir, tmp, step, self.keep)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     @property
     def pending_step(self) -> int | None:

@@ -6,6 +6,8 @@ with the tiny model sharded by FSDP2 and AdamW (the trainer's optimizer).
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,11 @@ def _full(model, opt) -> tuple[dict, dict]:
     return _clone(fsdp.full_state_dict(model)), _clone(fsdp.full_optimizer_state_dict(model, opt))
 
 
+def _kill_self(directory: Path, rank: int) -> None:
+    """A write hook: this process dies by SIGKILL, as a preempted or OOM-killed rank would."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _fail_rank1(directory: Path, rank: int) -> None:
     if rank == 1:
         raise OSError(f"no space left on device (test hook, {directory.name})")
@@ -198,7 +205,7 @@ def kill_run(rank: int, world: int, model_dir: str, run_dir: str, state_file: st
     tensor file the test reads back with ``weights_only=True``) to compare with.
     """
     from trainer import checkpoint as ckpt
-    from trainer.workers.state import CheckpointSaver, kill_self, set_write_hook
+    from trainer.workers.state import CheckpointSaver, set_write_hook
 
     model, opt, sched = build(model_dir)
     saver = CheckpointSaver("actor", rank)
@@ -228,7 +235,7 @@ def kill_run(rank: int, world: int, model_dir: str, run_dir: str, state_file: st
         for p in model.parameters():
             p.add_(0.01)
     if rank == 1:
-        set_write_hook(kill_self)
+        set_write_hook(_kill_self)
     save_all(2)
     raise AssertionError("unreachable: rank 1 was killed during the second save")
 

@@ -24,8 +24,6 @@ if it failed. The next save waits for the previous one first.
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -79,7 +77,7 @@ class CheckpointWriteError(RuntimeError):
 
 # A test-only seam: called as hook(directory, rank) on every rank just before it writes its
 # shard (in the background thread for an asynchronous save). Tests use it to SIGKILL a rank
-# mid-save (:func:`kill_self`) or to make a write fail; None in production.
+# mid-save or to make a write fail; None in production.
 _write_hook: Callable[[Path, int], None] | None = None
 
 
@@ -87,11 +85,6 @@ def set_write_hook(hook: Callable[[Path, int], None] | None) -> None:
     """Install (or clear) the hook run before each rank writes its shard (tests only)."""
     global _write_hook
     _write_hook = hook
-
-
-def kill_self(directory: Path, rank: int) -> None:
-    """A write hook: this process dies by SIGKILL, as a preempted or OOM-killed rank would."""
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _Writer(FileSystemWriter):
