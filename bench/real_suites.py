@@ -145,7 +145,7 @@ def direct_fork_marginal(suite_many: Suite, suite_one: Suite) -> float:
     code = f"""
 import os, sys, time
 from pathlib import Path
-from gpusched.forkclient import ServerSpec, start_server
+from gpusched.execution.forkclient import ServerSpec, start_server
 spec = ServerSpec((), (), os.environ, Path(os.devnull), "bench", 120.0)
 server = start_server(spec).server
 def run(root):

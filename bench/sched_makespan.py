@@ -54,7 +54,7 @@ from pathlib import Path
 
 from gpusched.inventory import Card
 from gpusched.requirements import Requirement
-from gpusched.scheduler import Job, simulate
+from gpusched.scheduling import Job, simulate
 
 CARDS = 8
 MIX = {0: 0.20, 1: 0.35, 2: 0.20, 4: 0.15, 8: 0.10}  # share of files needing that many GPUs
@@ -173,7 +173,7 @@ def simulated_makespan(files: list[SyntheticFile], extra: float, cpu_slots: int)
 
 def forked_file(path: Path, times: int = 5) -> float:
     """Median seconds of ``pytest.main`` on ``path`` forked from a warm fork server."""
-    from gpusched.forkclient import ServerSpec, start_server
+    from gpusched.execution.forkclient import ServerSpec, start_server
 
     spec = ServerSpec((), (), os.environ, Path(os.devnull), "bench", 120.0)
     server = start_server(spec).server

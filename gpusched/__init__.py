@@ -1,4 +1,18 @@
-"""GPU-aware scheduling of pytest suites: collect, pack onto cards, run, report."""
+"""GPU-aware scheduling of pytest suites: collect, pack onto cards, run, report.
+
+The folders are the stages of a run, and imports point only downwards:
+
+- ``cli``, ``options``, ``session``: the command line and the driver of one run;
+- ``collection/``: what each file needs (one pytest ``--collect-only`` child, its cache);
+- ``reporting/``: console, live view, JUnit/JSON, HTML timeline;
+- ``execution/``: starting, watching and killing real processes on this node's cards
+  (the asyncio runner, the fork server, process trees, card release);
+- ``scheduling/``: the pure policy (packing, simulation, CI shards, early picks);
+- ``requirements``, ``results``, ``inventory``, ``history``, ``atomic``: the records
+  every stage shares (what a file needs, what it did, the cards, past durations).
+
+``plugin`` is the pytest side, loaded in every child; nothing imports it.
+"""
 
 from importlib import metadata
 from pathlib import Path

@@ -1,7 +1,7 @@
 """The ``gpusched`` command line: parse, resolve options, call the session, map exit codes.
 
 ``run`` and ``plan`` go to the session; ``shard`` and ``matrix`` collect the
-suite, read the duration history and ask the pure ``gpusched.shard`` which
+suite, read the duration history and ask the pure ``gpusched.scheduling.shard`` which
 files each CI runner gets.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpusched import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, STATE_DIR, __version__
-from gpusched.collect import CollectionFailed
-from gpusched.forkclient import EarlyServer, start_early_server
+from gpusched.collection.collect import CollectionFailed
+from gpusched.execution.forkclient import EarlyServer, start_early_server
 from gpusched.options import (
     PLAN_OPTIONS,
     UsageError,
@@ -27,7 +27,7 @@ from gpusched.options import (
     load_table,
     resolve,
 )
-from gpusched.shard import (
+from gpusched.scheduling.shard import (
     ShardError,
     SuiteFile,
     matrix,
@@ -159,7 +159,7 @@ def _classes(files: dict[str, SuiteFile], sizes_text: str | None):
 def shard_command(namespace: argparse.Namespace, settings: dict, pytest_args: list[str]) -> int:
     """``gpusched shard``: print this runner's files, or run them with ``--run``."""
     from gpusched import session
-    from gpusched.report import display_path
+    from gpusched.reporting.report import display_path
 
     files = suite_files(namespace.paths, settings, pytest_args)
     _, classes = _classes(files, namespace.runner_sizes)

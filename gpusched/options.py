@@ -18,7 +18,7 @@ from typing import Any
 
 import tomllib
 
-from gpusched.release import DEFAULT_RELEASE_MEMORY, DEFAULT_RELEASE_TIMEOUT
+from gpusched.execution.release import DEFAULT_RELEASE_MEMORY, DEFAULT_RELEASE_TIMEOUT
 from gpusched.requirements import RequirementError, parse_memory
 
 

@@ -6,7 +6,7 @@ report (``--gpusched-report``) and streams each test's outcome as it finishes
 (``--gpusched-results``), so a child that is killed or crashes keeps the
 outcomes of the tests it finished. With ``--gpusched-cache`` the collection
 skips files whose key is unchanged, and with ``--gpusched-expect`` a child checks
-such a cached prediction against its own collection (``gpusched.collectcache``).
+such a cached prediction against its own collection (``gpusched.collection.cache``).
 All plugin state lives in ``config.stash``.
 """
 
@@ -22,18 +22,16 @@ from typing import IO, Any
 import pytest
 import tomllib
 
-from gpusched.collectcache import (
-    EXIT_RECOLLECTED,
+from gpusched.collection.cache import (
     CachedFile,
     base_key,
     conftest_chain,
     entry_json,
     file_key,
     load_cache,
-    parse_expectation,
     relative_key,
-    tests_hash,
 )
+from gpusched.execution.warmstart import wait_at_gate
 from gpusched.inventory import visible_gpu_count
 from gpusched.requirements import (
     SHORTHAND_MARKERS,
@@ -42,7 +40,7 @@ from gpusched.requirements import (
     requirement_from_glob_value,
     requirement_from_marker,
 )
-from gpusched.warmstart import wait_at_gate
+from gpusched.results import EXIT_RECOLLECTED, parse_expectation, tests_hash
 
 MARKER_HELP = {
     "gpu": "gpu(n, memory=None): the test needs n GPUs, each with at least `memory` "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
@@ -96,6 +97,30 @@ def read_events(lines: Iterable[str]) -> tuple[list[TestResult], str | None, int
         elif kind == "finish":
             exitstatus = event["exitstatus"]
     return list(finished.values()), running, exitstatus
+
+
+EXIT_RECOLLECTED = 71  # a child whose file needs other cards than the cache said
+
+
+def expectation(requirement: Requirement, tests: Sequence[str]) -> str:
+    """What a child must find after its own collection: ``GPUS:MEMORY:TESTS_HASH``.
+
+    The collection cache makes it (``gpusched.collection.cache``), the runner
+    passes it to the child, the plugin checks it and stops with ``EXIT_RECOLLECTED``.
+    """
+    memory = "" if requirement.memory is None else str(requirement.memory)
+    return f"{requirement.gpus}:{memory}:{tests_hash(tests)}"
+
+
+def parse_expectation(text: str) -> tuple[Requirement, str]:
+    """The requirement and tests hash of an ``expectation`` string; ValueError if malformed."""
+    gpus, memory, tests = text.split(":")
+    return Requirement(int(gpus), int(memory) if memory else None), tests
+
+
+def tests_hash(tests: Sequence[str]) -> str:
+    """A short hash of a file's selected test ids, in order."""
+    return hashlib.sha256(json.dumps(list(tests)).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -27,20 +27,18 @@ from gpusched import (
     STATE_DIR,
 )
 from gpusched.atomic import atomic_write
-from gpusched.childenv import PortPool, local_tmp_root, read_mounts
-from gpusched.collect import Collection, CollectionFailed, collect
-from gpusched.collectcache import (
+from gpusched.collection.cache import (
     CACHE_FILE,
     CachedFile,
     context_key,
-    expectation,
     load_cache,
     relative_key,
     remembered,
     save_cache,
 )
-from gpusched.earlystart import early_picks
-from gpusched.forkclient import (
+from gpusched.collection.collect import Collection, CollectionFailed, collect
+from gpusched.execution.childenv import PortPool, local_tmp_root, read_mounts
+from gpusched.execution.forkclient import (
     EarlyServer,
     ForkServer,
     ServerSpec,
@@ -48,6 +46,9 @@ from gpusched.forkclient import (
     server_spec,
     start_server,
 )
+from gpusched.execution.preload import guess_rootdir
+from gpusched.execution.release import release_check
+from gpusched.execution.runner import Child, RunConfig, Runner, start_early, stop_early
 from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
@@ -58,9 +59,7 @@ from gpusched.history import (
 )
 from gpusched.inventory import Card, InventoryError, discover, parse_simulate_spec
 from gpusched.options import UsageError, check_paths
-from gpusched.preload import guess_rootdir
-from gpusched.release import release_check
-from gpusched.report import (
+from gpusched.reporting.report import (
     ConsoleReporter,
     display_path,
     failing,
@@ -71,9 +70,9 @@ from gpusched.report import (
     summary_lines,
 )
 from gpusched.requirements import Requirement, format_memory
-from gpusched.results import FileResult, Outcome, TestResult
-from gpusched.runner import Child, RunConfig, Runner, start_early, stop_early
-from gpusched.scheduler import Job, largest_fitting, simulate
+from gpusched.results import FileResult, Outcome, TestResult, expectation
+from gpusched.scheduling import Job, largest_fitting, simulate
+from gpusched.scheduling.earlystart import early_picks
 
 
 @dataclass
@@ -120,7 +119,7 @@ def collection_cache(
 
 
 def remember_collection(path: Path, collection: Collection) -> None:
-    """Store what this collection found, for the next run (``gpusched.collectcache``)."""
+    """Store what this collection found, for the next run (``gpusched.collection.cache``)."""
     keys = collection.keys
     files = [
         (entry.path, CachedFile(keys[entry.path], entry.requirement, entry.tests, entry.levels))
@@ -408,7 +407,7 @@ def _run_prepared(
     )
     if tmp_warning:
         reporter.say(f"gpusched: warning: {tmp_warning}")
-    from gpusched.scheduler import Packer
+    from gpusched.scheduling import Packer
 
     tests = {entry.path: entry.tests for entry in prepared.collection.files}
     config = dataclasses.replace(config, rootdir=prepared.collection.rootdir)
@@ -449,7 +448,7 @@ def _run_prepared(
     if warning:
         reporter.say(f"gpusched: warning: {warning}")
     if settings.get("timeline"):
-        from gpusched.timeline import timeline_html
+        from gpusched.reporting.timeline import timeline_html
 
         atomic_write(
             settings["timeline"], timeline_html(results + report.results, [c.id for c in cards])
@@ -462,12 +461,12 @@ def _run_prepared(
 def live_reporter(
     reporter: ConsoleReporter, cards: Sequence[Card], cpu_slots: int, total: int
 ) -> Any:
-    """A live view (``gpusched.live``) when ``reporter`` writes to an interactive terminal
+    """A live view (``gpusched.reporting.live``) when ``reporter`` writes to an interactive terminal
     outside CI, else None (the plain reporter goes on)."""
     isatty = getattr(reporter.out, "isatty", None)
     if type(reporter) is not ConsoleReporter or not (isatty and isatty()):
         return None  # decided before importing rich (0.2 s of every run's start-up)
-    from gpusched.live import LiveReporter, wants_live
+    from gpusched.reporting.live import LiveReporter, wants_live
 
     if not wants_live(reporter.out, os.environ):
         return None

@@ -2,7 +2,7 @@
 
 On an interactive terminal it is a rich bar, redrawn each step; in CI
 (``CI`` true), with ``TERM=dumb`` or when the output is not a terminal it is
-plain lines without control codes (gpusched's rule, :func:`gpusched.live.wants_live`),
+plain lines without control codes (gpusched's rule, :func:`gpusched.reporting.live.wants_live`),
 one per step at most and at least ``PLAIN_EVERY_S`` apart, besides the first
 step, validation steps and the last step, which always print::
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from gpusched.live import wants_live
+from gpusched.reporting.live import wants_live
 
 PLAIN_EVERY_S = 10.0
 """Seconds between plain lines at least (steps slower than this print every step)."""

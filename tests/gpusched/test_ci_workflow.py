@@ -16,7 +16,7 @@ from deadlines import hang_guard
 from gpusched import cli
 from gpusched.history import main as history_main
 from gpusched.options import resolve
-from gpusched.shard import MatrixEntry, RunnerClass
+from gpusched.scheduling.shard import MatrixEntry, RunnerClass
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "ci" / "github" / "tests.yml"
 SAMPLE = MatrixEntry(RunnerClass(8, 3), 1, 2, ("t.py",), 3.0).to_json((0, 1, 2, 8))

@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpusched.collectcache import (
+from gpusched.collection.cache import (
     CachedFile,
     cache_payload,
     conftest_chain,
-    expectation,
     file_key,
     parse_cache,
-    parse_expectation,
     remembered,
 )
 from gpusched.requirements import Requirement
+from gpusched.results import expectation, parse_expectation
 
 # Each import of a test module appends its name to the file named by IMPORTS.
 COUNTED = (

@@ -19,17 +19,17 @@ import psutil
 import pytest
 from deadlines import hang_guard
 
-from gpusched.earlystart import early_picks
-from gpusched.forkserver import PAD_VARIABLE, retag_environ_block
-from gpusched.history import Entry
-from gpusched.options import UsageError, resolve
-from gpusched.preload import (
+from gpusched.execution.forkserver import PAD_VARIABLE, retag_environ_block
+from gpusched.execution.preload import (
     auto_preload,
     conftest_files,
     fork_unavailable,
     is_third_party,
     module_level_imports,
 )
+from gpusched.history import Entry
+from gpusched.options import UsageError, resolve
+from gpusched.scheduling.earlystart import early_picks
 
 # Written by the test files below: which process they ran in and what they saw.
 PARENT_PROBE = """

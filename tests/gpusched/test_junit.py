@@ -11,8 +11,8 @@ import junitparser
 from deadlines import hang_guard
 from junitparser import Error, Failure, JUnitXml, Skipped
 
-from gpusched.collect import CollectError, Collection
-from gpusched.report import junit_xml
+from gpusched.collection.collect import CollectError, Collection
+from gpusched.reporting.report import junit_xml
 from gpusched.results import judge
 from gpusched.session import collection_results
 

@@ -12,10 +12,10 @@ import pytest
 from deadlines import hang_guard
 from rich.console import Console
 
-from gpusched.live import LiveReporter, LiveState, wants_live
+from gpusched.reporting.live import LiveReporter, LiveState, wants_live
 from gpusched.requirements import Requirement
 from gpusched.results import FileResult, Outcome
-from gpusched.scheduler import Job
+from gpusched.scheduling import Job
 
 ESC = "\x1b"
 

@@ -2,7 +2,7 @@
 
 from gpusched.inventory import Card
 from gpusched.requirements import Requirement
-from gpusched.scheduler import Assignment, Job, Packer, Unschedulable, simulate
+from gpusched.scheduling import Assignment, Job, Packer, Unschedulable, simulate
 
 GB = 10**9
 
@@ -126,7 +126,7 @@ def test_simulate_predicts_the_greedy_makespan():
 
 
 def test_largest_fitting_lowers_a_file_to_what_the_inventory_can_run():
-    from gpusched.scheduler import largest_fitting
+    from gpusched.scheduling import largest_fitting
 
     levels = [Requirement(0), Requirement(2), Requirement(1, 80 * GB)]
     assert largest_fitting(levels, cards(4)) == Requirement(2)

@@ -19,8 +19,8 @@ import psutil
 import pytest
 from deadlines import hang_guard
 
-from gpusched import proctree
-from gpusched.proctree import TAG_VARIABLE, kill_job
+from gpusched.execution import proctree
+from gpusched.execution.proctree import TAG_VARIABLE, kill_job
 
 # Ends 0.5 s after SIGTERM, as a process that takes a moment to exit does.
 SLOW_TO_EXIT = """

@@ -9,7 +9,7 @@ import pytest
 
 from gpusched import cli
 from gpusched.history import Entry, dump_history
-from gpusched.shard import (
+from gpusched.scheduling.shard import (
     RunnerClass,
     ShardError,
     SuiteFile,

@@ -9,8 +9,8 @@ import sys
 import html5lib
 from deadlines import hang_guard
 
+from gpusched.reporting.timeline import COLOURS, cpu_lanes, timeline_html
 from gpusched.results import FileResult, Outcome
-from gpusched.timeline import COLOURS, cpu_lanes, timeline_html
 
 SVG = "{http://www.w3.org/2000/svg}"
 HTML = "{http://www.w3.org/1999/xhtml}"

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from deadlines import hang_guard
 
-from gpusched.warmstart import (
+from gpusched.execution.warmstart import (
     CANCELLED,
     CUDA_TOO_EARLY,
     GATE_VARIABLE,
@@ -27,7 +27,7 @@ from gpusched.warmstart import (
 CHILD = """
 import os, sys
 {before}
-from gpusched.warmstart import wait_at_gate
+from gpusched.execution.warmstart import wait_at_gate
 wait_at_gate()
 print(os.environ["CUDA_VISIBLE_DEVICES"], os.environ.get("GPUSCHED_GATE_FD"), flush=True)
 """

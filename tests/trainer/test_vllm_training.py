@@ -27,7 +27,7 @@ from deadlines import hang_guard
 from test_vllm_engine import _cpu_vllm  # noqa: E402  (same skip rule)
 from vllm_faults import assert_in_sync
 
-from gpusched.proctree import processes_with
+from gpusched.execution.proctree import processes_with
 
 pytestmark = pytest.mark.skipif(_cpu_vllm() is not None, reason=str(_cpu_vllm()))
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from deadlines import hang_guard
 
-from gpusched.proctree import TAG_VARIABLE, processes_with
+from gpusched.execution.proctree import TAG_VARIABLE, processes_with
 
 MARK_VARIABLE = "FAULTKIT_MARK"
 

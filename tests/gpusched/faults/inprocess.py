@@ -19,14 +19,14 @@ from pathlib import Path
 from deadlines import hang_guard
 from faultkit import Observation, Sandbox, alive, observe, read_pids
 
-from gpusched.forkclient import ServerSpec, start_server
+from gpusched.execution.forkclient import ServerSpec, start_server
+from gpusched.execution.release import NvmlRelease
+from gpusched.execution.runner import RunConfig, Runner
 from gpusched.inventory import Card
-from gpusched.release import NvmlRelease
-from gpusched.report import summary_lines
+from gpusched.reporting.report import summary_lines
 from gpusched.requirements import Requirement
 from gpusched.results import FileResult
-from gpusched.runner import RunConfig, Runner
-from gpusched.scheduler import Job, Packer
+from gpusched.scheduling import Job, Packer
 
 
 class Recorder:

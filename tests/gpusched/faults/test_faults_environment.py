@@ -6,7 +6,7 @@ import pytest
 import scenarios
 from deadlines import hang_guard
 
-from gpusched.childenv import child_env, filesystem_type, is_network_fs, local_tmp_root
+from gpusched.execution.childenv import child_env, filesystem_type, is_network_fs, local_tmp_root
 
 MOUNTS = [
     "/dev/sda1 / ext4 rw 0 0",

@@ -14,7 +14,7 @@ import scenarios
 from deadlines import hang_guard
 from faultkit import alive
 
-from gpusched.proctree import TAG_VARIABLE, kill_job
+from gpusched.execution.proctree import TAG_VARIABLE, kill_job
 
 DAEMON = """
 import os, sys, time

@@ -8,7 +8,7 @@ import inprocess
 import pytest
 from deadlines import hang_guard
 
-from gpusched.release import CardReading, NvmlRelease, blocker
+from gpusched.execution.release import CardReading, NvmlRelease, blocker
 
 
 class ScriptedNvml:

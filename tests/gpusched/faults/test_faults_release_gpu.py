@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from gpusched.release import NvmlRelease
+from gpusched.execution.release import NvmlRelease
 
 
 @pytest.mark.gpu1
@@ -22,7 +22,7 @@ def test_pynvml_sees_a_real_process_and_its_release():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; torch.cuda.is_available() is false")
-    from gpusched.release import PynvmlLayer
+    from gpusched.execution.release import PynvmlLayer
 
     card = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     if not card.isdigit():

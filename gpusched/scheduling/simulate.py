@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpusched.inventory import Card
-from gpusched.scheduler.packing import Assignment, Job, Packer
+from gpusched.scheduling.packing import Assignment, Job, Packer
 
 
 @dataclass(frozen=True)

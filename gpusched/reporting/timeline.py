@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-from gpusched.report import display_path, format_cards
+from gpusched.reporting.report import display_path, format_cards
 from gpusched.results import FileResult, Outcome
 
 COLOURS = {

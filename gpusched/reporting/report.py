@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpusched.results import FAILING, FileResult, Outcome
-from gpusched.scheduler import Job
+from gpusched.scheduling import Job
 
 FAIL_KINDS = ("failed", "error", "timeout", "crashed")
 

@@ -1,6 +1,6 @@
 """The fork server: one process per run that pays start-up once and forks one child per file.
 
-Started by the runner (``gpusched.forkclient``) as ``python .../gpusched/forkserver.py FD
+Started by the runner (``gpusched.execution.forkclient``) as ``python .../gpusched/execution/forkserver.py FD
 CONFIG`` (a script: it imports only the standard library and pytest), where ``FD`` is its end of a socket pair. It imports pytest, warms up
 pytest's plugin machinery with one ``--collect-only`` session on an empty
 directory (which imports every installed plugin through pytest's own

@@ -1,10 +1,10 @@
 """Scheduling policy: which file runs on which cards, as pure data in and out.
 
 Nothing here starts a process or reads a file; the asyncio runner
-(``gpusched.runner``) applies the decisions.
+(``gpusched.execution.runner``) applies the decisions.
 """
 
-from gpusched.scheduler.packing import (
+from gpusched.scheduling.packing import (
     Assignment,
     Decision,
     Job,
@@ -13,7 +13,7 @@ from gpusched.scheduler.packing import (
     Unschedulable,
     largest_fitting,
 )
-from gpusched.scheduler.simulate import PlannedRun, simulate
+from gpusched.scheduling.simulate import PlannedRun, simulate
 
 __all__ = [
     "Assignment",

@@ -40,7 +40,6 @@ from gpusched.requirements import Requirement
 
 CACHE_FILE = "collection.json"
 VERSION = 1
-EXIT_RECOLLECTED = 71  # a child whose file needs other cards than the cache said
 
 
 @dataclass(frozen=True)
@@ -81,23 +80,6 @@ def conftest_chain(path: Path) -> list[Path]:
         if candidate.is_file():
             found.append(candidate)
     return found
-
-
-def expectation(requirement: Requirement, tests: Sequence[str]) -> str:
-    """What a child must find after its own collection: ``GPUS:MEMORY:TESTS_HASH``."""
-    memory = "" if requirement.memory is None else str(requirement.memory)
-    return f"{requirement.gpus}:{memory}:{tests_hash(tests)}"
-
-
-def parse_expectation(text: str) -> tuple[Requirement, str]:
-    """The requirement and tests hash of an ``expectation`` string; ValueError if malformed."""
-    gpus, memory, tests = text.split(":")
-    return Requirement(int(gpus), int(memory) if memory else None), tests
-
-
-def tests_hash(tests: Sequence[str]) -> str:
-    """A short hash of a file's selected test ids, in order."""
-    return _digest(json.dumps(list(tests)))[:16]
 
 
 def parse_cache(payload: object) -> dict[str, CachedFile]:

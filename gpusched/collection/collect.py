@@ -7,7 +7,6 @@ runs in its own process group and is killed as a tree if it hangs.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -19,12 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpusched.forkclient import SERVER_DIED, ServerGone
-from gpusched.proctree import TAG_VARIABLE, kill_job
+from gpusched.execution.childenv import plugin_args
+from gpusched.execution.forkclient import SERVER_DIED, ServerGone
+from gpusched.execution.proctree import TAG_VARIABLE, kill_job
 from gpusched.requirements import Requirement
 
 if TYPE_CHECKING:
-    from gpusched.forkclient import ForkServer
+    from gpusched.execution.forkclient import ForkServer
 
 
 class CollectionFailed(RuntimeError):
@@ -62,25 +62,6 @@ class Collection:
     errors: list[CollectError] = field(default_factory=list)
     skipped: list[CollectError] = field(default_factory=list)  # whole modules skipped at import
     keys: dict[str, str] = field(default_factory=dict)  # collection-cache key of each good module
-
-
-def plugin_args() -> list[str]:
-    """``-p gpusched.plugin`` only where the entry point will not load it already.
-
-    Passing it while the ``pytest11`` entry point is active makes pytest fail with
-    "Plugin already registered under a different name".
-    """
-    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        return ["-p", "gpusched.plugin"]
-    return [] if _entry_point_registered() else ["-p", "gpusched.plugin"]
-
-
-@functools.cache
-def _entry_point_registered() -> bool:
-    """Whether the ``pytest11`` entry point names the plugin (scanning them costs ~10 ms: once)."""
-    from importlib.metadata import entry_points  # not at import: the fork server starts sooner
-
-    return any(ep.value == "gpusched.plugin" for ep in entry_points(group="pytest11"))
 
 
 def parse_report(payload: dict) -> Collection:
@@ -144,7 +125,7 @@ def collect(
     """Run the collection (a child of the fork server, else a subprocess); what it found.
 
     ``cache`` is the collection cache's path and the runner's context key
-    (``gpusched.collectcache``): files it still describes are not imported.
+    (``gpusched.collection.cache``): files it still describes are not imported.
     """
     fd, report_path = tempfile.mkstemp(prefix="gpusched-collect-", suffix=".json")
     os.close(fd)

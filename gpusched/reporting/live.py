@@ -20,9 +20,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpusched.report import display_path, file_line
+from gpusched.reporting.report import display_path, file_line
 from gpusched.results import FAILING, FileResult, Outcome
-from gpusched.scheduler import Job
+from gpusched.scheduling import Job
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 

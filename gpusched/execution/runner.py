@@ -23,23 +23,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from gpusched.childenv import PortPool, card_env, child_env
-from gpusched.collect import plugin_args
-from gpusched.collectcache import EXIT_RECOLLECTED, parse_expectation
-from gpusched.forkclient import ForkedProcess, ForkServer, ServerGone
-from gpusched.proctree import KillReport, kill_job
+from gpusched.execution.childenv import PortPool, card_env, child_env, plugin_args
+from gpusched.execution.forkclient import ForkedProcess, ForkServer, ServerGone
+from gpusched.execution.proctree import KillReport, kill_job
+from gpusched.execution.warmstart import GATE_VARIABLE, Gate, prestart_env
 from gpusched.requirements import Requirement
 from gpusched.results import (
+    EXIT_RECOLLECTED,
     FAILING,
     FileResult,
     Outcome,
     Recollected,
     TestResult,
     judge,
+    parse_expectation,
     read_recollection,
 )
-from gpusched.scheduler import Assignment, Job, Policy, Unschedulable
-from gpusched.warmstart import GATE_VARIABLE, Gate, prestart_env
+from gpusched.scheduling import Assignment, Job, Policy, Unschedulable
 
 T = TypeVar("T")
 SETTLE = 0.5  # after pytest exits, seconds its helpers get to end by themselves
@@ -61,7 +61,9 @@ class RunConfig:
     exitfirst: bool = False
     rootdir: str = "."
     heartbeat: float | None = None  # seconds between "still running" lines; None: none
-    prestart: int = 0  # GPU files started ahead of their cards (gpusched.warmstart); 0: off
+    prestart: int = (
+        0  # GPU files started ahead of their cards (gpusched.execution.warmstart); 0: off
+    )
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,7 @@ def _launch(
 def start_early(
     server: ForkServer, config: RunConfig, ports: PortPool, path: str, key: str
 ) -> Child | None:
-    """Fork a CPU file before collection is done (``gpusched.earlystart``); None if the server is gone.
+    """Fork a CPU file before collection is done (``gpusched.scheduling.earlystart``); None if the server is gone.
 
     Blocking: called by the session before the event loop runs. The runner
     adopts the child (``Runner.run(adopted=...)``) or the session stops it.

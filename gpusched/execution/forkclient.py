@@ -1,4 +1,4 @@
-"""The runner's side of the fork server (``gpusched.forkserver``): start it, ask for children, hear exits.
+"""The runner's side of the fork server (``gpusched.execution.forkserver``): start it, ask for children, hear exits.
 
 One ``ForkServer`` per run, owned by the session: started before collection,
 used synchronously by collection and asynchronously by the runner (its socket
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusched.forkserver import TAG_PLACEHOLDER_WIDTH
-from gpusched.preload import auto_preload, fork_unavailable, guess_rootdir
-from gpusched.proctree import TAG_VARIABLE, kill_job
+from gpusched.execution.forkserver import TAG_PLACEHOLDER_WIDTH
+from gpusched.execution.preload import auto_preload, fork_unavailable, guess_rootdir
+from gpusched.execution.proctree import TAG_VARIABLE, kill_job
 
-# Run as a script, not ``-m gpusched.forkserver``: the gpusched package must first be imported
+# Run as a script, not ``-m gpusched.execution.forkserver``: the gpusched package must first be imported
 # by pytest itself (as a plugin, through its assertion-rewriting hook), as in a fresh child.
 SERVER_SCRIPT = str(Path(__file__).with_name("forkserver.py"))
 SERVER_DIED = -1  # exit code reported for children whose server went away before they did

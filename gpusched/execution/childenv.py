@@ -1,13 +1,14 @@
-"""The environment of a child pytest process, and where its temporary files go."""
+"""The environment and command line of a child pytest process, and where its temporary files go."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from gpusched.proctree import TAG_VARIABLE
+from gpusched.execution.proctree import TAG_VARIABLE
 
 NETWORK_FILESYSTEMS = frozenset(
     {"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse", "fuseblk", "lustre", "gpfs", "9p", "ceph"}
@@ -108,3 +109,22 @@ class PortPool:
                 self._given.add(port)
                 return port
         raise RuntimeError("no free TCP port found after 100 tries")
+
+
+def plugin_args() -> list[str]:
+    """``-p gpusched.plugin`` only where the entry point will not load it already.
+
+    Passing it while the ``pytest11`` entry point is active makes pytest fail with
+    "Plugin already registered under a different name".
+    """
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return ["-p", "gpusched.plugin"]
+    return [] if _entry_point_registered() else ["-p", "gpusched.plugin"]
+
+
+@functools.cache
+def _entry_point_registered() -> bool:
+    """Whether the ``pytest11`` entry point names the plugin (scanning them costs ~10 ms: once)."""
+    from importlib.metadata import entry_points  # not at import: the fork server starts sooner
+
+    return any(ep.value == "gpusched.plugin" for ep in entry_points(group="pytest11"))
