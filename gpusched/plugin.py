@@ -7,6 +7,9 @@ report (``--gpusched-report``) and streams each test's outcome as it finishes
 outcomes of the tests it finished. With ``--gpusched-cache`` the collection
 skips files whose key is unchanged, and with ``--gpusched-expect`` a child checks
 such a cached prediction against its own collection (``gpusched.collection.cache``).
+With ``--gpusched-stream`` the collection also streams each file's entry as soon
+as pytest has collected that file (``gpusched.collection.collect``), so the
+scheduler starts it while the rest is still being collected.
 All plugin state lives in ``config.stash``.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -40,7 +44,7 @@ from gpusched.requirements import (
     requirement_from_glob_value,
     requirement_from_marker,
 )
-from gpusched.results import EXIT_RECOLLECTED, parse_expectation, tests_hash
+from gpusched.results import DEFERRED, EXIT_RECOLLECTED, parse_expectation, tests_hash
 
 MARKER_HELP = {
     "gpu": "gpu(n, memory=None): the test needs n GPUs, each with at least `memory` "
@@ -72,6 +76,11 @@ class _State:
     hits: dict[str, CachedFile] = field(default_factory=dict)  # absolute path -> cached entry
     collected: set[str] = field(default_factory=set)  # modules that collected without error
     conftests: dict[Path, bytes] = field(default_factory=dict)
+    stream: IO[str] | None = None  # --gpusched-stream; None once streaming is off
+    items: dict[str, list[pytest.Item]] = field(default_factory=dict)  # by file, until reported
+    since: dict[str, float] = field(default_factory=dict)  # by file: when its collection began
+    defer: bool = False  # --gpusched-defer: files the cache does not know are not imported
+    deferred: dict[str, Requirement] = field(default_factory=dict)  # path -> glob requirement
 
 
 STATE = pytest.StashKey[_State]()
@@ -102,6 +111,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the runner's part of every collection-cache key",
     )
     group.addoption(
+        "--gpusched-stream",
+        metavar="PATH",
+        help="with --gpusched-report: append each file's entry to PATH as JSON lines "
+        "as soon as the file is collected",
+    )
+    group.addoption(
+        "--gpusched-defer",
+        action="store_true",
+        help="with --gpusched-cache: do not import the files the cache does not know either; "
+        "each one's own run collects it",
+    )
+    group.addoption(
         "--gpusched-expect",
         metavar="GPUS:MEMORY:HASH",
         help="stop before running if this file's requirement differs from this prediction",
@@ -127,9 +148,13 @@ def pytest_configure(config: pytest.Config) -> None:
             _read(Path(config.rootpath) / "pyproject.toml"),
         )
         state.cache = load_cache(Path(cache))
+        state.defer = bool(config.getoption("gpusched_defer", False))
     results = config.getoption("gpusched_results", None)
     if results:
         state.results = open(results, "a", encoding="utf-8")  # noqa: SIM115 - closed at unconfigure
+    stream = config.getoption("gpusched_stream", None)
+    if stream:
+        state.stream = open(stream, "a", encoding="utf-8")  # noqa: SIM115 - closed at unconfigure
     config.stash[STATE] = state
     config.pluginmanager.register(_SessionHooks(config), "gpusched-session")
 
@@ -139,6 +164,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if state is not None and state.results is not None:
         state.results.close()
         state.results = None
+    if state is not None and state.stream is not None:
+        state.stream.close()
+        state.stream = None
 
 
 def _read(path: Path | None) -> bytes | None:
@@ -176,6 +204,34 @@ def _load_globs(config: pytest.Config) -> dict[str, Requirement]:
         raise pytest.UsageError(f"{pyproject}: {exc}") from None
 
 
+def _glob_requirement(
+    path: Path, config: pytest.Config, globs: dict[str, Requirement]
+) -> Requirement:
+    """What ``[tool.gpusched.gpus]`` says a file needs, without importing it (markers may differ)."""
+    try:
+        relative = path.resolve().relative_to(Path(config.rootpath).resolve()).as_posix()
+    except ValueError:  # a test file outside the rootdir: no glob can name it
+        return Requirement()
+    return next(
+        (r for pattern, r in globs.items() if fnmatch.fnmatch(relative, pattern)), Requirement()
+    )
+
+
+def _deferred_entry(state: _State, path: str) -> dict[str, Any] | None:
+    """A deferred file's entry (tests unknown until its own run), if it was collected."""
+    requirement = state.deferred.get(path)
+    if requirement is None or path not in state.collected:
+        return None
+    gpus, memory = requirement.gpus, requirement.memory
+    return {
+        "gpus": gpus,
+        "memory": memory,
+        "tests": [],
+        "levels": [[gpus, memory]],
+        "deferred": True,
+    }
+
+
 def item_requirement(item: pytest.Item, globs: dict[str, Requirement]) -> Requirement:
     """A test's requirement: its GPU markers if it has any, else the first matching path glob."""
     marks = [mark for mark in item.iter_markers() if mark.name in GPU_MARKERS]
@@ -189,14 +245,7 @@ def item_requirement(item: pytest.Item, globs: dict[str, Requirement]) -> Requir
             except RequirementError as exc:
                 raise RequirementError(f"{item.nodeid}: {exc}") from None
         return requirement
-    try:
-        relative = Path(item.path).resolve().relative_to(Path(item.config.rootpath).resolve())
-    except ValueError:  # a test file outside the rootdir: no glob can name it
-        return Requirement()
-    for pattern, requirement in globs.items():
-        if fnmatch.fnmatch(relative.as_posix(), pattern):
-            return requirement
-    return Requirement()
+    return _glob_requirement(Path(item.path), item.config, globs)
 
 
 class _SessionHooks:
@@ -256,22 +305,93 @@ class _SessionHooks:
         relative = relative_key(path, self.config.rootpath)
         entry = None if relative is None else state.cache.get(relative)
         if entry is None or entry.key != key:
-            return None
-        state.hits[path] = entry
+            if not state.defer:
+                return None
+            state.deferred[path] = _glob_requirement(module_path, self.config, state.globs)
+        else:
+            state.hits[path] = entry
         return _CachedModule.from_parent(parent, path=module_path)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session: pytest.Session) -> None:
+        """Open the stream: the rootdir first, or why this collection cannot stream."""
+        state = self.state
+        if state.stream is None:
+            return
+        reason = _untrusted_selection(self.config)
+        _write_line(state.stream, {"event": "start", "rootdir": str(self.config.rootpath)})
+        if reason is not None:
+            _write_line(state.stream, {"event": "off", "reason": reason})
+            state.stream.close()
+            state.stream = None
+
+    def pytest_collectstart(self, collector: pytest.Collector) -> None:
+        if self.state.stream is not None and isinstance(collector, pytest.File):
+            self.state.since[str(Path(collector.path).resolve())] = time.perf_counter()
+
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        if self.state.stream is not None:
+            self.state.items.setdefault(str(Path(item.path).resolve()), []).append(item)
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         path = str((Path(self.config.rootpath) / report.nodeid.split("::")[0]).resolve())
         if report.passed and "::" not in report.nodeid and path in self.state.keys:
             self.state.collected.add(path)
+        error = skip = None
         if report.failed:
-            self.state.errors.append(
-                {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr)}
-            )
+            error = {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr)}
+            self.state.errors.append(error)
+            _emit(self.state, {"event": "collecterror", **error})
         elif report.skipped and isinstance(report.longrepr, tuple):
-            self.state.skipped.append(
-                {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr[2])}
-            )
+            skip = {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr[2])}
+            self.state.skipped.append(skip)
+        if self.state.stream is not None and "::" not in report.nodeid:
+            self._stream_file(path, error, skip)
+
+    def _stream_file(
+        self, path: str, error: dict[str, str] | None, skip: dict[str, str] | None
+    ) -> None:
+        """One file is collected: stream its entry, error or skip (directories stream nothing).
+
+        The entry predicts what the whole collection will select: ``-k``, ``-m``
+        and ``--deselect`` are applied here as pytest applies them at the end
+        (``_untrusted_selection`` turns streaming off where other hooks could
+        change the selection). The file's own child checks the prediction.
+        """
+        state = self.state
+        assert state.stream is not None
+        items = state.items.pop(path, [])
+        since = state.since.pop(path, None)
+        seconds = 0.0 if since is None else round(time.perf_counter() - since, 4)
+        if error is not None:
+            _write_line(state.stream, {"event": "error", **error})
+            return
+        if skip is not None:
+            _write_line(state.stream, {"event": "skipped", **skip})
+            return
+        deferred = _deferred_entry(state, path)
+        if deferred is not None:
+            _write_line(state.stream, {"event": "file", "path": path, **deferred})
+            return
+        cached = state.hits.get(path)
+        if cached is not None:
+            if cached.tests:
+                _write_line(
+                    state.stream,
+                    {"event": "file", "path": path, **entry_json(cached), "cached": True},
+                )
+            return
+        if not Path(path).is_file():
+            return
+        try:
+            selected = _predicted_selection(items, self.config)
+        except Exception as exc:  # noqa: BLE001 - pytest's private API moved: stop streaming
+            _write_line(state.stream, {"event": "off", "reason": f"cannot predict -k/-m: {exc}"})
+            state.stream.close()
+            state.stream = None
+            return
+        for file, entry in _file_entries(selected, state.requirements).items():
+            _write_line(state.stream, {"event": "file", "path": file, **entry, "seconds": seconds})
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -286,6 +406,12 @@ class _SessionHooks:
         A different test list is streamed back; a different requirement also
         stops the file before its first test, to be queued again on the right cards.
         """
+        if expect == DEFERRED:  # collection did not import it: this is its collection
+            if self.state.errors:
+                return  # nothing to remember: the next run collects it again
+            files = _file_entries(self.state.selected, self.state.requirements)
+            _emit(self.state, {"event": "collected", **next(iter(files.values()), _empty_entry())})
+            return
         try:
             expected, expected_tests = parse_expectation(expect)
         except ValueError:
@@ -348,6 +474,45 @@ class _SessionHooks:
             )
 
 
+# Plugins whose pytest_collection_modifyitems only reorders items or applies -k, -m and
+# --deselect, which the stream predicts: any other implementation turns streaming off.
+_PREDICTABLE = frozenset({"gpusched-session", "mark", "main", "funcmanage"})
+_INACTIVE_UNLESS_ASKED = frozenset({"lfplugin", "nfplugin"})  # --lf, --ff, --nf
+
+
+def _untrusted_selection(config: pytest.Config) -> str | None:
+    """Why a file's streamed entry might differ from the final selection, or None."""
+    manager = config.pluginmanager
+    for impl in config.hook.pytest_collection_modifyitems.get_hookimpls():
+        name = manager.get_name(impl.plugin) or repr(impl.plugin)
+        if name in _PREDICTABLE:
+            continue
+        if name in _INACTIVE_UNLESS_ASKED and not getattr(impl.plugin, "active", True):
+            continue
+        where = getattr(impl.plugin, "__file__", None) or name
+        return f"{where} changes the selection in pytest_collection_modifyitems"
+    return None
+
+
+def _predicted_selection(items: list[pytest.Item], config: pytest.Config) -> list[pytest.Item]:
+    """The items of one file that ``--deselect``, ``-k`` and ``-m`` will keep."""
+    from _pytest.mark import KeywordMatcher, MarkMatcher, _parse_expression
+
+    prefixes = tuple(config.getoption("deselect") or ())
+    kept = [item for item in items if not (prefixes and item.nodeid.startswith(prefixes))]
+    keyword = (config.option.keyword or "").lstrip()
+    if keyword:
+        expr = _parse_expression(keyword, "Wrong expression passed to '-k'")
+        kept = [item for item in kept if expr.evaluate(KeywordMatcher.from_item(item))]
+    markexpr = config.option.markexpr
+    if markexpr:
+        expr = _parse_expression(markexpr, "Wrong expression passed to '-m'")
+        kept = [
+            item for item in kept if expr.evaluate(MarkMatcher.from_markers(item.iter_markers()))
+        ]
+    return kept
+
+
 def _empty_entry() -> dict[str, Any]:
     """A file's entry before any of its tests is seen: a CPU file with no tests."""
     return {"gpus": 0, "memory": None, "tests": [], "levels": []}
@@ -378,6 +543,10 @@ def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
         # those the arguments name: a hit counts only if its node was collected.
         if cached.tests and file in state.collected:
             files[file] = {**entry_json(cached), "cached": True}
+    for file in state.deferred:
+        entry = _deferred_entry(state, file)
+        if entry is not None:
+            files[file] = entry
     payload = {
         "rootdir": str(config.rootpath),
         "files": [{"path": p, **entry} for p, entry in files.items()],
@@ -415,5 +584,9 @@ def _message(report: pytest.TestReport) -> str:
 
 def _emit(state: _State, record: dict[str, Any]) -> None:
     if state.results is not None:
-        state.results.write(_encode(record) + "\n")
-        state.results.flush()
+        _write_line(state.results, record)
+
+
+def _write_line(stream: IO[str], record: dict[str, Any]) -> None:
+    stream.write(_encode(record) + "\n")
+    stream.flush()

@@ -54,6 +54,7 @@ class FileResult:
     message: str = ""
     attempts: int = 1
     swept: int = 0
+    node: str = ""  # the cluster node that ran it (``--ray``); empty on one machine
 
     @property
     def duration(self) -> float:
@@ -94,12 +95,15 @@ def read_events(lines: Iterable[str]) -> tuple[list[TestResult], str | None, int
             )
             if running == event["nodeid"]:
                 running = None
+        elif kind == "collecterror":  # the child's own collection of its file failed
+            finished[event["nodeid"]] = TestResult(event["nodeid"], "error", 0.0, event["message"])
         elif kind == "finish":
             exitstatus = event["exitstatus"]
     return list(finished.values()), running, exitstatus
 
 
 EXIT_RECOLLECTED = 71  # a child whose file needs other cards than the cache said
+DEFERRED = "deferred"  # the expectation of a file collection did not import: report, never stop
 
 
 def expectation(requirement: Requirement, tests: Sequence[str]) -> str:
@@ -192,6 +196,8 @@ def judge(
         outcomes = {test.outcome for test in tests}
         if exitstatus in (0, 5) and not outcomes & {"failed", "error"}:
             result.outcome = Outcome.PASSED
+        elif exitstatus == 2 and outcomes == {"error"}:  # pytest stops after collection errors
+            result.outcome, result.message = Outcome.ERROR, "collection error"
         elif exitstatus in (0, 1) or outcomes & {"failed", "error"}:
             result.outcome = Outcome.FAILED
         else:

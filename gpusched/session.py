@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from gpusched.collection.cache import (
     save_cache,
 )
 from gpusched.collection.collect import Collection, CollectionFailed, collect
+from gpusched.collection.stream import collect_streaming
 from gpusched.execution.childenv import PortPool, local_tmp_root, read_mounts
 from gpusched.execution.forkclient import (
     EarlyServer,
@@ -49,6 +50,7 @@ from gpusched.execution.forkclient import (
 from gpusched.execution.preload import guess_rootdir
 from gpusched.execution.release import release_check
 from gpusched.execution.runner import Child, RunConfig, Runner, start_early, stop_early
+from gpusched.feed import Feeder, error_result, skip_result
 from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
@@ -70,7 +72,7 @@ from gpusched.reporting.report import (
     summary_lines,
 )
 from gpusched.requirements import Requirement, format_memory
-from gpusched.results import FileResult, Outcome, TestResult, expectation
+from gpusched.results import FileResult, Recollected, expectation
 from gpusched.scheduling import Job, largest_fitting, simulate
 from gpusched.scheduling.earlystart import early_picks
 
@@ -118,13 +120,24 @@ def collection_cache(
     return STATE_DIR / CACHE_FILE, context_key(args, os.environ.get("PYTEST_ADDOPTS"))
 
 
-def remember_collection(path: Path, collection: Collection) -> None:
-    """Store what this collection found, for the next run (``gpusched.collection.cache``)."""
+def remember_collection(
+    path: Path, collection: Collection, found: Mapping[str, Recollected] | None = None
+) -> None:
+    """Store what this collection found, for the next run (``gpusched.collection.cache``).
+
+    ``found``: what the children of deferred files collected (the collection did not).
+    """
     keys = collection.keys
+    found = found or {}
     files = [
         (entry.path, CachedFile(keys[entry.path], entry.requirement, entry.tests, entry.levels))
         for entry in collection.files
-        if entry.path in keys
+        if entry.path in keys and not entry.deferred
+    ]
+    files += [
+        (entry.path, CachedFile(keys[entry.path], *_found_entry(found[entry.path])))
+        for entry in collection.files
+        if entry.path in keys and entry.deferred and entry.path in found
     ]
     listed = {entry.path for entry in collection.files}
     empty = [(p, key) for p, key in keys.items() if p not in listed]
@@ -133,6 +146,12 @@ def remember_collection(path: Path, collection: Collection) -> None:
         save_cache(path, remembered(load_cache(path), files, empty, rootdir), rootdir)
     except OSError:
         pass  # only a cache: the next run collects everything again
+
+
+def _found_entry(
+    found: Recollected,
+) -> tuple[Requirement, tuple[str, ...], tuple[Requirement, ...]]:
+    return found.requirement, found.tests, found.levels
 
 
 def forget_collected(path: Path, stale: Sequence[str], rootdir: str) -> None:
@@ -153,24 +172,13 @@ def prepare(
     settings: dict[str, Any],
     pytest_args: Sequence[str],
     server: ForkServer | None = None,
-    on_inventory: Callable[[list[Card]], None] | None = None,
 ) -> Prepared:
     """Inventory, collection (in a child of ``server`` if given) and jobs.
-
-    ``on_inventory`` hears the cards before collection starts (early starts).
 
     Raises UsageError or CollectionFailed.
     """
     check_paths(paths)
-    try:
-        simulated = (
-            parse_simulate_spec(settings["simulate_gpus"]) if settings["simulate_gpus"] else None
-        )
-        cards = discover(simulated, settings["gpus"])
-    except InventoryError as exc:
-        raise UsageError(str(exc)) from None
-    if on_inventory is not None:
-        on_inventory(cards)
+    cards = inventory(settings)
     selection = selection_args(settings)
     args = [*selection, *pytest_args]
     cache = collection_cache(paths, settings, args)
@@ -202,25 +210,9 @@ def prepare(
 
 def collection_results(collection: Collection) -> list[FileResult]:
     """Files that never reach the runner: collection errors and whole-module skips."""
-    results = [
-        FileResult(
-            error.path,
-            Outcome.ERROR,
-            message="collection error",
-            tests=[TestResult(error.nodeid, "error", 0.0, error.message)],
-        )
-        for error in collection.errors
+    return [error_result(error) for error in collection.errors] + [
+        skip_result(skip) for skip in collection.skipped
     ]
-    results += [
-        FileResult(
-            skip.path,
-            Outcome.SKIPPED,
-            message=skip.message,
-            tests=[TestResult(skip.nodeid, "skipped", 0.0, skip.message)],
-        )
-        for skip in collection.skipped
-    ]
-    return results
 
 
 def child_args(
@@ -298,13 +290,17 @@ def run(
 
         if importlib.util.find_spec("pytest_timeout") is None:
             raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
+    if settings.get("ray"):  # across a Ray cluster: the only path that imports Ray
+        from gpusched import cluster_session
+
+        return cluster_session.run(paths, settings, pytest_args, reporter, early)
     run_id = early.spec.run_id if early is not None else new_run_id()
     try:
         with fork_server(paths, settings, run_id, reporter, early) as server:
             return _run(paths, settings, pytest_args, reporter, server, run_id)
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted during collection")
-        return _finish([], True, [], settings, reporter)
+        return finish([], True, [], settings, reporter)
 
 
 def _run(
@@ -316,6 +312,8 @@ def _run(
     run_id: str,
 ) -> int:
     t0 = time.monotonic()
+    check_paths(paths)
+    cards = inventory(settings)
     tmp_root, tmp_warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
     log_dir = STATE_DIR / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -335,25 +333,23 @@ def _run(
         heartbeat=settings["heartbeat"],
         prestart=settings["prestart"],
     )
+    history, history_warning = load_history(STATE_DIR / HISTORY_FILE)
+    for warning in (history_warning, tmp_warning):
+        if warning:
+            reporter.say(f"gpusched: warning: {warning}")
     early: dict[str, Child] = {}
-
-    def start_early_files(cards: list[Card]) -> None:
-        """No card to wait for: the longest known files start now, beside collection."""
-        if server is None or cards:
-            return
-        history, _ = load_history(STATE_DIR / HISTORY_FILE)
-        rootdir = Path(config.rootdir)
-        ports = PortPool()
-        for n, path in enumerate(early_picks(history, rootdir, paths, settings["cpu_slots"])):
-            child = start_early(server, config, ports, path, f"e{n}-1")
-            if child is not None:
-                early[path] = child
-
     try:
-        return _run_prepared(
-            paths, settings, pytest_args, reporter, server, config, early, start_early_files,
-            tmp_warning, t0,
-        )  # fmt: skip
+        if server is not None and not cards:
+            # No card to wait for: the longest known files start now, before collection.
+            ports = PortPool()
+            picks = early_picks(history, Path(config.rootdir), paths, settings["cpu_slots"])
+            for n, path in enumerate(picks):
+                child = start_early(server, config, ports, path, f"e{n}-1")
+                if child is not None:
+                    early[path] = child
+        return _run_streaming(
+            paths, settings, pytest_args, reporter, server, config, cards, history, early, t0
+        )
     finally:
         for child in early.values():
             if server is not None:
@@ -361,89 +357,130 @@ def _run(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _run_prepared(
+def inventory(settings: dict[str, Any]) -> list[Card]:
+    """The cards this run may use (``--gpus``, ``--simulate-gpus``); UsageError if malformed."""
+    try:
+        simulated = (
+            parse_simulate_spec(settings["simulate_gpus"]) if settings["simulate_gpus"] else None
+        )
+        return discover(simulated, settings["gpus"])
+    except InventoryError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def header(files: int, cards: Sequence[Card], settings: dict[str, Any], early: int) -> str:
+    """The line that says what the run has, once collection is done."""
+    where = (
+        f"{len(cards)} {'simulated ' if settings['simulate_gpus'] else ''}cards"
+        if cards
+        else "no GPUs"
+    )
+    before = f" ({early} started before collection)" if early else ""
+    return f"gpusched: {files} files on {where} and {settings['cpu_slots']} CPU slots{before}"
+
+
+def _run_streaming(
     paths: Sequence[str],
     settings: dict[str, Any],
     pytest_args: Sequence[str],
     reporter: ConsoleReporter,
     server: ForkServer | None,
     config: RunConfig,
-    early: dict[str, Any],
-    on_inventory: Callable[[list[Card]], None],
-    tmp_warning: str | None,
+    cards: list[Card],
+    history: dict[str, Any],
+    early: dict[str, Child],
     t0: float,
 ) -> int:
-    try:
-        prepared = prepare(paths, settings, pytest_args, server, on_inventory)
-    except KeyboardInterrupt:
-        reporter.say("gpusched: interrupted during collection")
-        return _finish([], True, [], settings, reporter)
-    except CollectionFailed as exc:
-        if exc.exit_code == EXIT_USAGE:
-            raise UsageError(str(exc)) from None  # the command line prints it, once
-        reporter.say(f"gpusched: {exc}")
-        return exc.exit_code
-    for warning in prepared.warnings:
-        reporter.say(f"gpusched: warning: {warning}")
-    results = collection_results(prepared.collection)
-    for result in results:
-        reporter.finished(result)
-    collected = {entry.path for entry in prepared.collection.files}
-    adopted = {path: early.pop(path) for path in list(early) if path in collected}
-    if not prepared.jobs:
-        if not results:
-            reporter.say("gpusched: no tests collected")
-        return _finish(results, False, [], settings, reporter)
-    cards = prepared.cards
-    reporter.say(
-        f"gpusched: {len(prepared.jobs)} files on "
-        + (
-            f"{len(cards)} {'simulated ' if settings['simulate_gpus'] else ''}cards"
-            if cards
-            else "no GPUs"
-        )
-        + f" and {settings['cpu_slots']} CPU slots"
-        + (f" ({len(adopted)} started during collection)" if adopted else "")
-    )
-    if tmp_warning:
-        reporter.say(f"gpusched: warning: {tmp_warning}")
-    from gpusched.scheduling import Packer
+    """Collect and run at once: each file starts as soon as it is collected (``gpusched.feed``).
 
-    tests = {entry.path: entry.tests for entry in prepared.collection.files}
-    config = dataclasses.replace(config, rootdir=prepared.collection.rootdir)
-    live = live_reporter(reporter, cards, settings["cpu_slots"], len(prepared.jobs))
+    On a machine without cards every file runs on a CPU slot whatever it needs
+    (GPU tests skip inside it), so the collection need not import a file to
+    place it: files the collection cache does not know are deferred, and each
+    one's own run is its only collection (what it finds goes into the cache).
+    Without that, a first run imports every module twice. With cards, a file
+    must be collected before it can be placed on the right ones.
+    """
+    selection = selection_args(settings)
+    cache = collection_cache(paths, settings, [*selection, *pytest_args])
+    live = live_reporter(reporter, cards, settings["cpu_slots"], 0, collecting=True)
     if live is not None:
         config = dataclasses.replace(config, heartbeat=None)  # the live table shows elapsed times
+    out = live or reporter
     real_cards = bool(cards) and not settings["simulate_gpus"]
+    from gpusched.scheduling import Packer
+
+    packer = Packer(cards, settings["cpu_slots"])
+    # While collection runs it keeps one core (it is every later file's critical path);
+    # early starts hold the slots they already run on until they are adopted.
+    collector = 1 if settings["cpu_slots"] > 1 else 0
+    packer.reserve_cpu(len(early) + collector)
     with (
         live or contextlib.nullcontext(),
         release_check(
             real_cards,
             settings["gpu_release_timeout"],
             settings["gpu_release_memory"],
-            warn=(live or reporter).say,
+            warn=out.say,
         ) as releaser,
     ):
         runner = Runner(
             config,
-            Packer(cards, settings["cpu_slots"]),
-            tests,
-            live or reporter,
+            packer,
+            {},
+            out,
             releaser,
             forkserver=server,
-            t0=t0 if adopted else None,
-            expect=prepared.expect,
+            t0=t0,
             refit=lambda requirement, levels: runnable_requirement(requirement, levels, cards),
+            open_input=True,
         )
-        report = asyncio.run(runner.run(prepared.jobs, adopted))
-    if prepared.cache is not None:
-        forget_collected(prepared.cache[0], sorted(runner.recollected), prepared.collection.rootdir)
+        feeder = Feeder(
+            runner,
+            runner.refit,
+            history,
+            out.finished,
+            early,
+            server,
+            config.rootdir,
+            grow=live.grow if live is not None else None,
+        )
+
+        def collected() -> None:
+            if collector:
+                runner.release_reserved()
+            if live is not None:
+                live.collection_done()
+            if feeder.off:
+                out.say(f"gpusched: files start once collection is done: {feeder.off}")
+            out.say(header(len(feeder.jobs), cards, settings, feeder.started_early))
+
+        feeder.collected = collected
+        collection, failure = asyncio.run(
+            _collect_and_run(
+                paths,
+                [*selection, *pytest_args],
+                settings,
+                server,
+                cache,
+                runner,
+                feeder,
+                defer=cache is not None and not cards,
+            )  # fmt: skip
+        )
+    results = feeder.results
+    report = runner.report
+    if collection is not None and cache is not None:
+        remember_collection(cache[0], collection, runner.found)
+    if collection is not None and not results and not report.results and failure is None:
+        reporter.say("gpusched: no tests collected")
+    if collection is not None and cache is not None:
+        forget_collected(cache[0], sorted(runner.recollected), feeder.rootdir)
     if runner.forkserver_lost:
         reporter.say(
             f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"
         )
     warning = record_durations(
-        STATE_DIR / HISTORY_FILE, observations(report.results, prepared.collection.rootdir)
+        STATE_DIR / HISTORY_FILE, observations(report.results, feeder.rootdir)
     )
     if warning:
         reporter.say(f"gpusched: warning: {warning}")
@@ -453,13 +490,72 @@ def _run_prepared(
         atomic_write(
             settings["timeline"], timeline_html(results + report.results, [c.id for c in cards])
         )
-    return _finish(
+    if failure is not None:
+        if failure.exit_code == EXIT_USAGE and not report.results:
+            raise UsageError(str(failure)) from None  # the command line prints it, once
+        reporter.say(f"gpusched: {failure}")
+        if not results and not report.results:
+            return failure.exit_code
+        finish(results + report.results, report.interrupted, report.quarantined, settings, reporter)
+        return failure.exit_code
+    if report.interrupted and collection is None:
+        reporter.say("gpusched: interrupted during collection")
+    return finish(
         results + report.results, report.interrupted, report.quarantined, settings, reporter
     )
 
 
+async def _collect_and_run(
+    paths: Sequence[str],
+    args: Sequence[str],
+    settings: dict[str, Any],
+    server: ForkServer | None,
+    cache: tuple[Path, str] | None,
+    runner: Runner,
+    feeder: Feeder,
+    defer: bool,
+) -> tuple[Collection | None, CollectionFailed | None]:
+    """The collection and the runner side by side; the final collection (None if it was
+    stopped by ``-x`` or an interrupt) and the collection's failure, if any."""
+    if server is not None:
+        server.attach()
+    try:
+        running = asyncio.create_task(runner.run([]))
+        collecting = asyncio.create_task(
+            collect_streaming(
+                paths, args, settings["collect_timeout"], feeder.on_event, server, cache, defer
+            )
+        )
+        await asyncio.wait({running, collecting}, return_when=asyncio.FIRST_COMPLETED)
+        collection: Collection | None = None
+        failure: CollectionFailed | None = None
+        if not collecting.done():  # the runner stopped first: -x or an interrupt
+            collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, CollectionFailed):
+                await collecting
+        else:
+            try:
+                collection = collecting.result()
+            except CollectionFailed as exc:
+                failure = exc
+                runner.stop("collection failed")
+            else:
+                feeder.finish(collection)
+        feeder.stop_early()
+        runner.close_input()
+        await running
+        return collection, failure
+    finally:
+        if server is not None:
+            server.detach()
+
+
 def live_reporter(
-    reporter: ConsoleReporter, cards: Sequence[Card], cpu_slots: int, total: int
+    reporter: ConsoleReporter,
+    cards: Sequence[Card],
+    cpu_slots: int,
+    total: int,
+    collecting: bool = False,
 ) -> Any:
     """A live view (``gpusched.reporting.live``) when ``reporter`` writes to an interactive terminal
     outside CI, else None (the plain reporter goes on)."""
@@ -472,16 +568,20 @@ def live_reporter(
         return None
     from rich.console import Console
 
-    return LiveReporter([c.id for c in cards], cpu_slots, total, Console(file=reporter.out))
+    return LiveReporter(
+        [c.id for c in cards], cpu_slots, total, Console(file=reporter.out), collecting=collecting
+    )
 
 
-def _finish(
+def finish(
     results: list[FileResult],
     interrupted: bool,
     quarantined: list[str],
     settings: dict[str, Any],
     reporter: ConsoleReporter,
 ) -> int:
+    """The end of every run (one node or a cluster): failures' log tails, JUnit and JSON
+    reports, the summary lines; the exit code."""
     code = exit_code(results, interrupted)
     for result in failing(results):
         tail = log_tail(result)
@@ -500,14 +600,13 @@ def _finish(
     return code
 
 
-def plan(
+def prepare_plan(
     paths: Sequence[str],
     settings: dict[str, Any],
     pytest_args: Sequence[str],
-    reporter: ConsoleReporter | None = None,
-) -> int:
-    """``gpusched plan``: requirements and the predicted schedule; runs nothing."""
-    reporter = reporter or ConsoleReporter()
+    reporter: ConsoleReporter,
+) -> Prepared | int:
+    """``plan``'s collection, its warnings and errors said; the exit code if there is nothing to plan."""
     try:
         prepared = prepare(paths, settings, pytest_args)
     except CollectionFailed as exc:
@@ -522,13 +621,36 @@ def plan(
     if not prepared.jobs:
         reporter.say("gpusched: no tests collected")
         return EXIT_FAILED if prepared.collection.errors else EXIT_EMPTY
+    return prepared
+
+
+def say_requirements(reporter: ConsoleReporter, prepared: Prepared, jobs: Sequence[Job]) -> None:
+    """``plan``'s table: each file, what it needs, its test count and expected seconds."""
     reporter.say(f"{'file':<60} {'needs':<16} {'tests':>5} {'expected':>9}")
     tests = {entry.path: len(entry.tests) for entry in prepared.collection.files}
-    for job in prepared.jobs:
+    for job in jobs:
         reporter.say(
             f"{display_path(job.path):<60} {job.requirement.describe():<16} "
             f"{tests[job.path]:>5} {job.expected:>8.1f}s"
         )
+
+
+def plan(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter | None = None,
+) -> int:
+    """``gpusched plan``: requirements and the predicted schedule; runs nothing."""
+    reporter = reporter or ConsoleReporter()
+    if settings.get("ray"):
+        from gpusched import cluster_session
+
+        return cluster_session.plan(paths, settings, pytest_args, reporter)
+    prepared = prepare_plan(paths, settings, pytest_args, reporter)
+    if isinstance(prepared, int):
+        return prepared
+    say_requirements(reporter, prepared, prepared.jobs)
     runs, skipped = simulate(prepared.cards, prepared.jobs, settings["cpu_slots"])
     cards = ", ".join(
         f"{c.id}({format_memory(c.memory)})" if c.memory else c.id for c in prepared.cards

@@ -44,6 +44,8 @@ class CollectedFile:
     tests: tuple[str, ...]
     levels: tuple[Requirement, ...] = ()  # the distinct requirements of its tests
     cached: bool = False  # taken from the collection cache, not collected this time
+    seconds: float = 0.0  # how long collecting it took (streamed entries only; 0: unknown)
+    deferred: bool = False  # not imported by the collection: its own run collects it
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ def parse_report(payload: dict) -> Collection:
                 tuple(entry["tests"]),
                 tuple(Requirement(gpus, memory) for gpus, memory in entry.get("levels", [])),
                 bool(entry.get("cached", False)),
+                deferred=bool(entry.get("deferred", False)),
             )
         )
     collection.keys = dict(payload.get("keys", {}))
@@ -85,7 +88,44 @@ def parse_report(payload: dict) -> Collection:
     return collection
 
 
-def _timed_out(timeout: float) -> CollectionFailed:
+def report_location() -> str:
+    """A fresh path for the plugin's report; absent until the plugin wrote it whole."""
+    fd, report_path = tempfile.mkstemp(prefix="gpusched-collect-", suffix=".json")
+    os.close(fd)
+    os.unlink(report_path)  # the plugin writes it atomically; absence means it never finished
+    return report_path
+
+
+def collection_command(
+    paths: Sequence[str],
+    pytest_args: Sequence[str],
+    report_path: str,
+    cache: tuple[Path, str] | None,
+    extra: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str], str]:
+    """The collection child's pytest arguments, environment and job tag."""
+    tag = f"collect-{uuid.uuid4().hex[:12]}"
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env[TAG_VARIABLE] = tag
+    args = [
+        "--collect-only",
+        "-q",
+        *plugin_args(),
+        f"--gpusched-report={report_path}",
+        *(
+            [f"--gpusched-cache={cache[0].resolve()}", f"--gpusched-context={cache[1]}"]
+            if cache is not None
+            else []
+        ),
+        *extra,
+        *pytest_args,
+        *paths,
+    ]
+    return args, env, tag
+
+
+def timed_out(timeout: float) -> CollectionFailed:
+    """The error of a collection that ran past ``--collect-timeout``."""
     return CollectionFailed(
         f"collection timed out after {timeout:g}s (--collect-timeout); "
         "a conftest or test module probably hangs at import",
@@ -93,7 +133,8 @@ def _timed_out(timeout: float) -> CollectionFailed:
     )
 
 
-def _read_report(report_path: str, returncode: int, output: str) -> Collection:
+def read_report(report_path: str, returncode: int, output: str) -> Collection:
+    """The finished collection, or CollectionFailed when pytest could not collect at all."""
     if returncode == 4:
         raise CollectionFailed(f"pytest rejected the arguments:\n{output.strip()}", exit_code=4)
     try:
@@ -107,7 +148,7 @@ def _read_report(report_path: str, returncode: int, output: str) -> Collection:
     return parse_report(payload)
 
 
-def _remove(*paths: str) -> None:
+def remove_files(*paths: str) -> None:
     for leftover in paths:
         try:
             os.unlink(leftover)
@@ -127,25 +168,8 @@ def collect(
     ``cache`` is the collection cache's path and the runner's context key
     (``gpusched.collection.cache``): files it still describes are not imported.
     """
-    fd, report_path = tempfile.mkstemp(prefix="gpusched-collect-", suffix=".json")
-    os.close(fd)
-    os.unlink(report_path)  # the plugin writes it atomically; absence means it never finished
-    tag = f"collect-{uuid.uuid4().hex[:12]}"
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env[TAG_VARIABLE] = tag
-    args = [
-        "--collect-only",
-        "-q",
-        *plugin_args(),
-        f"--gpusched-report={report_path}",
-        *(
-            [f"--gpusched-cache={cache[0].resolve()}", f"--gpusched-context={cache[1]}"]
-            if cache is not None
-            else []
-        ),
-        *pytest_args,
-        *paths,
-    ]
+    report_path = report_location()
+    args, env, tag = collection_command(paths, pytest_args, report_path, cache)
     if server is not None:
         try:
             return _collect_forked(server, args, env, tag, report_path, timeout)
@@ -167,13 +191,13 @@ def collect(
         except subprocess.TimeoutExpired:
             kill_job(proc.pid, proc.pid, tag, grace=1.0)
             proc.communicate()
-            raise _timed_out(timeout) from None
-        return _read_report(report_path, proc.returncode, output)
+            raise timed_out(timeout) from None
+        return read_report(report_path, proc.returncode, output)
     finally:
         if proc.poll() is None:  # KeyboardInterrupt while waiting
             kill_job(proc.pid, proc.pid, tag, grace=1.0)
             proc.wait()
-        _remove(report_path, report_path + ".part")
+        remove_files(report_path, report_path + ".part")
 
 
 def _collect_forked(
@@ -194,13 +218,13 @@ def _collect_forked(
         if code is None:
             kill_job(pid, pid, tag, grace=1.0)
             server.wait(pid, 5.0)
-            raise _timed_out(timeout)
+            raise timed_out(timeout)
         if code == SERVER_DIED:
             kill_job(None, pid, tag, grace=1.0)
             raise ServerGone("the fork server exited during collection")
         output = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
-        return _read_report(report_path, code, output)
+        return read_report(report_path, code, output)
     finally:
         if pid is not None and code is None:  # KeyboardInterrupt while waiting
             kill_job(pid, pid, tag, grace=1.0)
-        _remove(report_path, report_path + ".part", str(log))
+        remove_files(report_path, report_path + ".part", str(log))

@@ -318,6 +318,11 @@ class ForkServer:
         self.sock.setblocking(False)
         self._loop.add_reader(self.sock.fileno(), self._on_readable)
 
+    @property
+    def attached(self) -> bool:
+        """Whether a running event loop reads the socket (``attach``)."""
+        return self._loop is not None
+
     def detach(self) -> None:
         if self._loop is not None:
             self._loop.remove_reader(self.sock.fileno())

@@ -29,6 +29,7 @@ from gpusched.execution.proctree import KillReport, kill_job
 from gpusched.execution.warmstart import GATE_VARIABLE, Gate, prestart_env
 from gpusched.requirements import Requirement
 from gpusched.results import (
+    DEFERRED,
     EXIT_RECOLLECTED,
     FAILING,
     FileResult,
@@ -83,6 +84,7 @@ class Finished:
     pids: frozenset[int] = frozenset()
     quarantined: tuple[str, ...] = ()
     requeue: Recollected | None = None  # it stopped before its tests: needs other cards
+    deselected: bool = False  # a deferred file whose own collection selected no test
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,12 @@ class Tick:
     """Time for a heartbeat line (``--heartbeat``)."""
 
 
-Event = Started | Finished | Interrupt | Ready | Tick
+@dataclass(frozen=True)
+class Wake:
+    """New jobs were submitted, or the input closed: look at the policy again."""
+
+
+Event = Started | Finished | Interrupt | Ready | Tick | Wake
 
 
 @dataclass
@@ -134,6 +141,10 @@ class Reporter(Protocol):
     def finished(self, result: FileResult) -> None: ...
 
     def interrupting(self, signum: int, second: bool) -> None: ...
+
+    def deselected(self, job: Job) -> None:
+        """A started file turned out to select no test (its own collection): it has no result."""
+        ...
 
     def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None:
         """Still running: each file with its elapsed seconds (only with ``--heartbeat``)."""
@@ -221,9 +232,12 @@ def start_early(
     """Fork a CPU file before collection is done (``gpusched.scheduling.earlystart``); None if the server is gone.
 
     Blocking: called by the session before the event loop runs. The runner
-    adopts the child (``Runner.run(adopted=...)``) or the session stops it.
+    adopts the child (``Runner.adopt``) or the session stops it. It started
+    before collection said anything of its file, so it reports what its own
+    collection found (``DEFERRED``), and never stops for it: early starts
+    happen only where there is no card to wait for.
     """
-    launch = _launch(config, path, key, (), ports.take())
+    launch = _launch(config, path, key, (), ports.take(), DEFERRED)
     try:
         pid = server.spawn(launch.args, launch.env, launch.log_path, launch.tag)
     except ServerGone:
@@ -260,15 +274,22 @@ class Runner:
         t0: float | None = None,
         expect: Mapping[str, str] | None = None,
         refit: Callable[[Requirement, tuple[Requirement, ...]], Requirement] | None = None,
+        open_input: bool = False,
     ) -> None:
         """``expect``: the collection cache's prediction for each file it described; ``refit``
-        lowers a requirement a child found instead to what the inventory can run."""
+        lowers a requirement a child found instead to what the inventory can run.
+
+        ``open_input``: more jobs may come while it runs (``submit``), until
+        ``close_input``; ``run`` does not end before that unless it is stopping.
+        """
         self.config = config
         self.policy = policy
         self.tests = dict(tests)
+        self.input_open = open_input
         self.expect = dict(expect or {})
         self.refit = refit or (lambda requirement, levels: requirement)
         self.recollected: set[str] = set()  # files whose child found the cache wrong
+        self.found: dict[str, Recollected] = {}  # deferred files: what their child collected
         self.reporter = reporter
         self.releaser = releaser or ImmediateRelease()
         self.clock = clock
@@ -281,6 +302,7 @@ class Runner:
         self.ports = PortPool()
         self.report = RunReport()
         self.stopping = False
+        self.stop_reason = "-x"  # why pending files did not start, once stopping
         self.running: dict[int, tuple[Job, float]] = {}  # job id -> (job, start on self.clock)
         self.warm: dict[int, asyncio.Task[Child]] = {}  # job id -> its pre-started child
         self.starting: set[int] = set()  # jobs whose child has not reached its gate yet
@@ -294,20 +316,10 @@ class Runner:
         if forkserver is not None:
             self._prestart = 0  # a forked child starts in milliseconds: nothing to hide
 
-    async def run(
-        self, jobs: Sequence[Job], adopted: Mapping[str, Child] | None = None
-    ) -> RunReport:
-        """Run ``jobs``; ``adopted`` children (by path) already run theirs and get their slots first."""
+    async def run(self, jobs: Sequence[Job]) -> RunReport:
+        """Run ``jobs``, and those ``submit`` adds while ``open_input``."""
         loop = asyncio.get_running_loop()
-        adopted = adopted or {}
-        first = [job for job in jobs if job.path in adopted]
-        self.policy.submit(first)
-        for job in first:
-            running: asyncio.Future[Child] = loop.create_future()
-            running.set_result(adopted[job.path])
-            self.warm[job.id] = running  # type: ignore[assignment]
-        self._start_what_fits()
-        self.policy.submit([job for job in jobs if job.path not in adopted])
+        self.policy.submit(jobs)
         installed = []
         for signum in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -317,6 +329,8 @@ class Runner:
                 pass
         beat = asyncio.create_task(self._beat()) if self.config.heartbeat else None
         attached = self.forkserver
+        if attached is not None and attached.attached:
+            attached = None  # the caller attached it (collection streams beside the runner)
         if attached is not None:
             attached.attach()
         try:
@@ -345,13 +359,70 @@ class Runner:
                     tests=[_not_run(nodeid) for nodeid in self.tests.get(job.path, ())],
                     message="not started (interrupted)"
                     if self.report.interrupted
-                    else "not started (-x)",
+                    else f"not started ({self.stop_reason})",
                 )
             )
         return self.report
 
-    def _on_signal(self, signum: int) -> None:
+    def submit(
+        self,
+        jobs: Sequence[Job],
+        tests: Mapping[str, Sequence[str]] | None = None,
+        expect: Mapping[str, str] | None = None,
+    ) -> None:
+        """Add jobs while running (``open_input``); call on the runner's event loop.
+
+        ``tests`` and ``expect`` are the new files' test ids and cache predictions.
+        """
+        self.tests.update(tests or {})
+        self.expect.update(expect or {})
+        self.policy.submit(jobs)
+        self.events.put_nowait(Wake())
+
+    def adopt(self, job: Job, child: Child, tests: Sequence[str] = ()) -> None:
+        """Take over ``child``, an early start of ``job``'s file, on the slot the policy reserved.
+
+        Call on the runner's event loop; the child's timeout counts from its own start.
+        """
+        self.tests[job.path] = tuple(tests)
+        self.expect[job.path] = DEFERRED  # as it was started (``start_early``)
+        self.policy.adopt(job)
+        self.attempts[job.id] = 1
+        running: asyncio.Future[Child] = asyncio.get_running_loop().create_future()
+        running.set_result(child)
+        self.tasks[job.id] = asyncio.create_task(self._run_job(job, (), 1, running))  # type: ignore[arg-type]
+
+    def revise(self, job: Job, tests: Sequence[str], expect: str | None) -> bool:
+        """Replace a pending job (its requirement, tests, prediction); False if it already started."""
+        if self.policy.withdraw(job.id) is None:
+            return False
+        self.submit([job], {job.path: tests}, {job.path: expect} if expect else None)
+        if expect is None:
+            self.expect.pop(job.path, None)
+        return True
+
+    def release_reserved(self) -> None:
+        """A reserved CPU slot is free again (an early start not adopted, the collection done)."""
+        self.policy.release_cpu(1)
+        self.events.put_nowait(Wake())
+
+    def stop(self, reason: str) -> None:
+        """Start no new file; the running ones finish, the pending ones are NOT RUN (``reason``)."""
+        self.stopping = True
+        self.stop_reason = reason
+        self.events.put_nowait(Wake())
+
+    def close_input(self) -> None:
+        """No more jobs will be submitted: ``run`` ends once the last one is done."""
+        self.input_open = False
+        self.events.put_nowait(Wake())
+
+    def interrupt(self, signum: int = signal.SIGINT) -> None:
+        """As if the user pressed Ctrl-C (``signum``): running files are killed, pending are NOT RUN."""
         self.events.put_nowait(Interrupt(signum))
+
+    def _on_signal(self, signum: int) -> None:
+        self.interrupt(signum)
 
     async def _beat(self) -> None:
         """Queue a ``Tick`` every ``heartbeat`` seconds, on a fixed grid from the start.
@@ -381,7 +452,9 @@ class Runner:
             if not self.stopping:
                 self._start_what_fits()
                 self._warm_up()
-            if not self.tasks and (self.stopping or not self.policy.has_pending):
+            if not self.tasks and (
+                self.stopping or not (self.input_open or self.policy.has_pending)
+            ):
                 return
             event = await self.events.get()
             match event:
@@ -390,13 +463,15 @@ class Runner:
                 case Started(job, cards, _pid, attempt):
                     self.running[job.id] = (job, self.clock())
                     self.reporter.started(job, cards, attempt)
-                case Finished(job, result, _pids, quarantined, requeue):
+                case Finished(job, result, _pids, quarantined, requeue, deselected):
                     self.running.pop(job.id, None)
-                    self._finished(job, result, quarantined, requeue)
+                    self._finished(job, result, quarantined, requeue, deselected)
                 case Interrupt(signum):
                     self._interrupt(signum)
                 case Tick():
                     self._heartbeat()
+                case Wake():
+                    pass
 
     def _interrupt(self, signum: int) -> None:
         second = self.report.interrupted
@@ -456,10 +531,16 @@ class Runner:
         result: FileResult,
         quarantined: tuple[str, ...],
         requeue: Recollected | None = None,
+        deselected: bool = False,
     ) -> None:
         self.tasks.pop(job.id, None)
         self.report.quarantined.extend(quarantined)
         self.policy.complete(job.id, quarantined)
+        if deselected:
+            self.reporter.deselected(job)  # pytest lists no file whose tests are all deselected
+            if result.log:
+                Path(result.log).unlink(missing_ok=True)
+            return
         if requeue is not None:
             if self.stopping:
                 self._record(
@@ -694,7 +775,11 @@ class Runner:
                 pass  # interrupted while waiting for the cards: the run is ending anyway
         if quarantined:
             result.message += f" (card(s) {','.join(quarantined)} quarantined)"
-        self.events.put_nowait(Finished(job, result, frozenset(pids), quarantined, requeue))
+        found = self.found.get(job.path)
+        deselected = found is not None and not found.tests and result.outcome == Outcome.PASSED
+        self.events.put_nowait(
+            Finished(job, result, frozenset(pids), quarantined, requeue, deselected)
+        )
 
     def _recollected(
         self, job: Job, lines: Sequence[str], returncode: int | None, ended: bool
@@ -702,13 +787,17 @@ class Runner:
         """Take in what the child found where the cache predicted otherwise; the requeue, if one.
 
         Its test list replaces the cached one; a different requirement, with the
-        child stopped for it before its tests, means the file runs again.
+        child stopped for it before its tests, means the file runs again. A
+        deferred file's child always reports what it found and never stops.
         """
         expect = self.expect.get(job.path)
         found = None if expect is None else read_recollection(lines)
         if found is None or expect is None:
             return None
         self.tests[job.path] = found.tests
+        if expect == DEFERRED:
+            self.found[job.path] = found  # its only collection: the next run's cache entry
+            return None
         self.recollected.add(job.path)
         if not ended or returncode != EXIT_RECOLLECTED:
             return None

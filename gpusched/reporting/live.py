@@ -57,6 +57,7 @@ class LiveState:
     holding: dict[str, tuple[str, float, int]] = field(default_factory=dict)  # slot -> file
     counts: dict[str, int] = field(default_factory=dict)
     done: int = 0
+    collecting: bool = False  # the total still grows as collection finds files
 
     def start(self, job: Job, cards: tuple[str, ...], attempt: int, now: float) -> None:
         slots = [f"gpu {card}" for card in cards]
@@ -73,6 +74,12 @@ class LiveState:
         name = result.outcome.value.lower()
         self.counts[name] = self.counts.get(name, 0) + 1
         self.done += 1
+
+    def withdraw(self, path: str) -> None:
+        """A file that started but selected no test: it leaves the view and the total."""
+        for slot in [slot for slot, held in self.holding.items() if held[0] == path]:
+            del self.holding[slot]
+        self.total -= 1
 
     def rows(self, now: float) -> list[Row]:
         slots = [f"gpu {card}" for card in self.cards]
@@ -95,9 +102,11 @@ class LiveState:
         counts = ", ".join(f"{count} {name}" for name, count in sorted(self.counts.items()))
         pending = max(0, self.total - self.done - self.running())
         return (
-            f"{self.done}/{self.total} files done"
+            f"{self.done}/{self.total}{'+' if self.collecting else ''} files done"
             + (f" ({counts})" if counts else "")
-            + f" | {self.running()} running | {pending} pending | {elapsed:.0f}s elapsed"
+            + f" | {self.running()} running | {pending} pending"
+            + (" | collecting" if self.collecting else "")
+            + f" | {elapsed:.0f}s elapsed"
         )
 
 
@@ -124,8 +133,10 @@ class LiveReporter:
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
         refresh_per_second: float = 4.0,
+        collecting: bool = False,
     ) -> None:
-        self.state = LiveState(tuple(cards), cpu_slots, total)
+        """``collecting``: files are still being collected (``grow`` adds them to ``total``)."""
+        self.state = LiveState(tuple(cards), cpu_slots, total, collecting=collecting)
         self.console = console or Console()
         self.clock = clock
         self.t0 = clock()
@@ -149,6 +160,17 @@ class LiveReporter:
     def say(self, line: str) -> None:
         self.console.print(Text(line), soft_wrap=True)
 
+    def grow(self, count: int) -> None:
+        """Collection found ``count`` more files."""
+        with self._lock:
+            self.state.total += count
+        self._live.refresh()
+
+    def collection_done(self) -> None:
+        with self._lock:
+            self.state.collecting = False
+        self._live.refresh()
+
     def started(self, job: Job, cards: tuple[str, ...], attempt: int) -> None:
         with self._lock:
             self.state.start(job, cards, attempt, self.clock())
@@ -163,6 +185,11 @@ class LiveReporter:
 
     def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None:
         """The table already shows each running file's elapsed time: just redraw it."""
+        self._live.refresh()
+
+    def deselected(self, job: Job) -> None:
+        with self._lock:
+            self.state.withdraw(job.path)
         self._live.refresh()
 
     def interrupting(self, signum: int, second: bool) -> None:

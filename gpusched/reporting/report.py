@@ -32,6 +32,11 @@ def format_cards(cards: Sequence[str]) -> str:
     return "gpu " + ",".join(cards) if cards else "cpu"
 
 
+def format_place(cards: Sequence[str], node: str = "") -> str:
+    """Where a file ran: its cards, after its node's name in a cluster run (``--ray``)."""
+    return f"{node} {format_cards(cards)}" if node else format_cards(cards)
+
+
 def format_counts(result: FileResult) -> str:
     counts = result.counts()
     order = ("passed", "failed", "error", "timeout", "crashed", "skipped", "not run")
@@ -42,7 +47,7 @@ def file_line(result: FileResult) -> str:
     """One line per finished file: outcome, path, cards, duration, test counts, reason."""
     parts = [f"{result.outcome.value:<11}", display_path(result.path)]
     if result.outcome not in (Outcome.SKIPPED, Outcome.NOT_RUN, Outcome.ERROR) or result.cards:
-        parts.append(f"[{format_cards(result.cards)}] {result.duration:.1f}s")
+        parts.append(f"[{format_place(result.cards, result.node)}] {result.duration:.1f}s")
     counts = format_counts(result)
     if counts:
         parts.append(f"({counts})")
@@ -137,6 +142,7 @@ def junit_xml(results: Sequence[FileResult]) -> str:
             ("outcome", result.outcome.value),
             ("attempts", str(result.attempts)),
             ("message", result.message),
+            *((("node", result.node),) if result.node else ()),
         ):
             ET.SubElement(props, "property", name=name, value=value)
         for test in result.tests:
@@ -201,6 +207,9 @@ class ConsoleReporter:
 
     def finished(self, result: FileResult) -> None:
         self.say(file_line(result))
+
+    def deselected(self, job: Job) -> None:
+        self.say(f"{'DESELECTED':<11} {display_path(job.path)} (no test selected)")
 
     def interrupting(self, signum: int, second: bool) -> None:
         if second:

@@ -64,6 +64,18 @@ class Policy(Protocol):
 
     def upcoming(self, count: int) -> list[Job]: ...
 
+    def adopt(self, job: Job) -> Assignment:
+        """Count a job that already runs outside the runner (an early start) as running."""
+        ...
+
+    def withdraw(self, job_id: int) -> Job | None:
+        """Take a pending job out of the queue (collection revised it); None if not pending."""
+        ...
+
+    def release_cpu(self, count: int = 1) -> None:
+        """Give back CPU slots held for early starts that will not be adopted, or for the collection."""
+        ...
+
     @property
     def has_pending(self) -> bool: ...
 
@@ -105,6 +117,7 @@ class Packer:
         self._usable: dict[str, Card] = {card.id: card for card in cards}
         self._free: dict[str, Card] = dict(self._usable)
         self._cpu_free = cpu_slots
+        self._reserved = 0  # slots of early starts not adopted yet
         self._pending: list[Job] = []
         self._running: dict[int, Assignment] = {}
 
@@ -158,6 +171,33 @@ class Packer:
                 self._free[card.id] = card
         if not assignment.cards:
             self._cpu_free += 1
+
+    def reserve_cpu(self, count: int) -> None:
+        """Hold ``count`` CPU slots for files already running outside the policy (early starts)."""
+        self._cpu_free -= count
+        self._reserved += count
+
+    def release_cpu(self, count: int = 1) -> None:
+        """Give back reserved slots (an early start never adopted, the collection done)."""
+        count = min(count, self._reserved)
+        self._reserved -= count
+        self._cpu_free += count
+
+    def adopt(self, job: Job) -> Assignment:
+        """Count a CPU job that already runs (on a reserved slot) as running; ``complete`` frees it."""
+        if job.gpus or not self._reserved:
+            raise ValueError(f"job {job.id} ({job.path}): only a CPU job on a reserved slot")
+        self._reserved -= 1
+        assignment = Assignment(job, ())
+        self._running[job.id] = assignment
+        return assignment
+
+    def withdraw(self, job_id: int) -> Job | None:
+        """Take a job that has not started out of the queue; None if it is not pending."""
+        for i, job in enumerate(self._pending):
+            if job.id == job_id:
+                return self._pending.pop(i)
+        return None
 
     def upcoming(self, count: int) -> list[Job]:
         """Up to ``count`` pending GPU jobs likely to start next (the runner warm-starts them).

@@ -133,3 +133,16 @@ def test_gpusched_matrix_with_the_workflow_arguments_gives_the_fields_it_reads(w
     ]
     used = matrix_fields()
     assert all(used <= set(entry) for entry in include)
+
+
+def test_each_shard_job_keeps_the_collection_cache_between_runs(workflow):
+    caches = [s for s in steps(workflow, "tests") if s.get("uses", "").startswith("actions/cache@")]
+    assert len(caches) == 1
+    step = caches[0]["with"]
+    assert step["path"] == ".gpusched/collection.json"
+    # A fresh key per run (so the newest is saved), restored by its prefix.
+    assert step["key"].endswith("${{ github.run_id }}")
+    prefix = step["key"].removesuffix("${{ github.run_id }}")
+    assert step["restore-keys"].splitlines()[0] == prefix
+    for read in ("pyproject.toml", "**/conftest.py"):  # what gpusched's own key reads
+        assert read in step["key"]

@@ -83,6 +83,11 @@ def test_remembered_stores_paths_relative_to_the_rootdir_and_skips_outsiders(tmp
 # --- real runs --------------------------------------------------------------------------------
 
 
+# With a card the collection imports every file it has no valid entry for; without one it
+# defers them (tests/gpusched/test_streaming.py).
+CARD = ("--simulate-gpus", "1")
+
+
 def test_an_unchanged_file_is_imported_only_by_its_own_child(make_suite, run_gpusched, tmp_path):
     make_suite(
         {
@@ -92,12 +97,12 @@ def test_an_unchanged_file_is_imported_only_by_its_own_child(make_suite, run_gpu
         }
     )
     log = tmp_path / "imports.log"
-    first = run_gpusched("run", "tests", "--json", "report.json", IMPORTS=str(log))
+    first = run_gpusched("run", "tests", *CARD, "--json", "report.json", IMPORTS=str(log))
     assert first.returncode == 0, first.stdout + first.stderr
     assert sorted(_imports(log)) == ["test_one", "test_one", "test_two", "test_two"]
 
     log.unlink()
-    second = run_gpusched("run", "tests", "--json", "report.json", IMPORTS=str(log))
+    second = run_gpusched("run", "tests", *CARD, "--json", "report.json", IMPORTS=str(log))
     assert second.returncode == 0, second.stdout + second.stderr
     assert sorted(_imports(log)) == ["test_one", "test_two"]  # the children only
     assert _report(tmp_path)["summary"]["passed"] == 2
@@ -106,14 +111,14 @@ def test_an_unchanged_file_is_imported_only_by_its_own_child(make_suite, run_gpu
     (tmp_path / "tests" / "test_two.py").write_text(
         COUNTED + "\ndef test_b():\n    pass\n\n\ndef test_c():\n    pass\n"
     )
-    third = run_gpusched("run", "tests", "--json", "report.json", IMPORTS=str(log))
+    third = run_gpusched("run", "tests", *CARD, "--json", "report.json", IMPORTS=str(log))
     assert third.returncode == 0, third.stdout + third.stderr
     assert sorted(_imports(log)) == ["test_one", "test_two", "test_two"]  # edited: collected
     assert _report(tmp_path)["summary"]["passed"] == 3
 
     log.unlink()
     (tmp_path / "tests" / "conftest.py").write_text("# changed\n")
-    fourth = run_gpusched("run", "tests", "--json", "report.json", IMPORTS=str(log))
+    fourth = run_gpusched("run", "tests", *CARD, "--json", "report.json", IMPORTS=str(log))
     assert fourth.returncode == 0, fourth.stdout + fourth.stderr
     assert sorted(_imports(log)) == ["test_one", "test_one", "test_two", "test_two"]
 
@@ -134,10 +139,10 @@ def test_a_selection_change_is_a_different_cache_key(make_suite, run_gpusched, t
         }
     )
     log = tmp_path / "imports.log"
-    assert run_gpusched("run", "tests", IMPORTS=str(log)).returncode == 0
+    assert run_gpusched("run", "tests", *CARD, IMPORTS=str(log)).returncode == 0
     log.unlink()
     picked = run_gpusched(
-        "run", "tests", "-m", "not slow", "--json", "report.json", IMPORTS=str(log)
+        "run", "tests", *CARD, "-m", "not slow", "--json", "report.json", IMPORTS=str(log)
     )
     assert picked.returncode == 0, picked.stdout + picked.stderr
     assert len(_imports(log)) == 2  # collected again under the new selection

@@ -337,10 +337,10 @@ def test_the_longest_known_file_starts_during_collection_and_is_adopted(
 ):
     make_suite({"test_slow.py": SLOW, "test_fast.py": FAST})
     first = run_gpusched("run", ".")
-    assert first.returncode == 0 and "started during collection" not in first.stdout
+    assert first.returncode == 0 and "started before collection" not in first.stdout
     second = run_gpusched("run", ".", "--json", "r.json")
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "2 files on no GPUs and 2 CPU slots (1 started during collection)" in second.stdout
+    assert "2 files on no GPUs and 2 CPU slots (1 started before collection)" in second.stdout
     files = {Path(f["path"]).name: f for f in _report(tmp_path / "r.json")["files"]}
     assert files["test_slow.py"]["outcome"] == "PASSED"
     assert [t["outcome"] for t in files["test_slow.py"]["tests"]] == ["passed"]
@@ -348,9 +348,7 @@ def test_the_longest_known_file_starts_during_collection_and_is_adopted(
     assert second.stdout.strip().splitlines()[-1] == "gpusched: 2 passed, 0 failed, 0 skipped"
 
 
-def test_an_early_file_that_collection_deselects_is_killed_and_not_reported(
-    make_suite, run_gpusched, tmp_path
-):
+def test_an_early_file_with_no_selected_test_is_not_reported(make_suite, run_gpusched, tmp_path):
     make_suite({"test_slow.py": SLOW.replace("1.0", "600"), "test_fast.py": FAST})
     (tmp_path / ".gpusched").mkdir()
     (tmp_path / ".gpusched" / "durations.json").write_text(
@@ -480,7 +478,15 @@ def test_children_leave_the_servers_exit_finalizers_to_the_server(
     )
     log = tmp_path / "finalized.log"
     result = run_gpusched(
-        "run", ".", "--preload", "finalizing", "--cpu-slots", "1", FINALIZED=str(log)
+        "run",
+        ".",
+        "--preload",
+        "finalizing",
+        "--cpu-slots",
+        "1",
+        "--simulate-gpus",
+        "1",
+        FINALIZED=str(log),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fork server off" not in result.stdout

@@ -64,6 +64,21 @@ def test_state_rows_show_each_card_and_cpu_slot_with_elapsed_and_expected():
     assert state.summary(5.0) == "1/4 files done (1 passed) | 1 running | 2 pending | 5s elapsed"
 
 
+def test_the_total_grows_while_collection_streams_files_in():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    clock = iter(float(n) for n in range(100)).__next__
+    with LiveReporter(["0"], 1, 0, console=console, clock=clock, collecting=True) as live:
+        live.grow(2)
+        assert live.state.summary(1.0) == (
+            "0/2+ files done | 0 running | 2 pending | collecting | 1s elapsed"
+        )
+        live.started(_job(0, "/s/test_a.py", 0, 1.0), (), 1)
+        live.grow(1)
+        live.collection_done()
+        assert live.state.summary(2.0) == "0/3 files done | 1 running | 2 pending | 2s elapsed"
+
+
 def test_reporter_draws_a_table_with_control_codes_on_a_terminal():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=100, color_system="standard")

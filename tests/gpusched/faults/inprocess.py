@@ -46,6 +46,9 @@ class Recorder:
     def interrupting(self, signum: int, second: bool) -> None:
         self.lines.append(f"interrupting {signum} {second}")
 
+    def deselected(self, job: Job) -> None:
+        self.lines.append(f"deselected {Path(job.path).name}")
+
     def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None:
         if self.on_heartbeat is not None:
             self.on_heartbeat()
