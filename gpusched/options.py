@@ -105,6 +105,17 @@ def _module_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _address(text: str) -> str:
+    address = text.strip()
+    if not address:
+        raise ValueError("names no Ray cluster (expected auto or HOST:PORT)")
+    return address
+
+
+def _patterns(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 @dataclass(frozen=True)
 class Option:
     """One option: ``name`` is the attribute, the TOML key and (upper-cased) the variable suffix."""
@@ -256,10 +267,40 @@ OPTIONS: tuple[Option, ...] = (
         "write a self-contained HTML Gantt chart of cards over time",
         "PATH",
     ),
+    Option(
+        "ray",
+        ("--ray",),
+        _address,
+        None,
+        "pack the files across the nodes of this Ray cluster (auto: RAY_ADDRESS, or the "
+        "cluster running on this machine); each node offers its own cards and runs its "
+        "files as gpusched does on one machine",
+        "ADDRESS",
+    ),
+    Option(
+        "ray_shared",
+        ("--ray-shared",),
+        _text,
+        None,
+        "with --ray: the suite's root directory as every node sees it (a shared "
+        "filesystem); without it the root directory is shipped to the nodes with Ray's "
+        "runtime_env working_dir",
+        "DIR",
+    ),
+    Option(
+        "ray_excludes",
+        ("--ray-excludes",),
+        _patterns,
+        (),
+        "with --ray: gitignore-style patterns left out of what is shipped to the nodes, "
+        "e.g. data/,*.ckpt (besides .gitignore'd files, .git and .gpusched); a TOML list "
+        "in [tool.gpusched]",
+        "PATTERNS",
+    ),
 )
 
 PLAN_OPTIONS = frozenset(
-    {"gpus", "simulate_gpus", "collect_timeout", "cpu_slots", "markexpr", "keyword"}
+    {"gpus", "simulate_gpus", "collect_timeout", "cpu_slots", "markexpr", "keyword", "ray"}
 )
 
 

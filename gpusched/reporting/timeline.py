@@ -11,10 +11,10 @@ CSS and a few lines of script. Built by ``timeline_html`` from the results alone
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 
-from gpusched.reporting.report import display_path, format_cards
+from gpusched.reporting.report import display_path, format_place
 from gpusched.results import FileResult, Outcome
 
 COLOURS = {
@@ -78,17 +78,62 @@ def _tick_step(span: float) -> float:
     return next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
 
 
+def layout(
+    results: Sequence[FileResult],
+    cards: Sequence[str] = (),
+    nodes: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[list[str], dict[int, list[int]], int, int]:
+    """Row labels, the rows of each drawn result (by index), and the card and CPU lane counts.
+
+    On one machine: one row per card, then the CPU lanes. In a cluster run
+    (``nodes``: each node's card ids, or results that carry a node) the rows are
+    grouped by node, each node's cards then its CPU lanes.
+    """
+    groups: dict[str, list[str]] = {name: list(ids) for name, ids in (nodes or {}).items()}
+    for r in results:
+        if r.node or groups:
+            groups.setdefault(r.node, [])
+    if not groups:
+        groups = {"": list(cards)}
+    labels: list[str] = []
+    rows: dict[int, list[int]] = {}
+    card_total = lane_total = 0
+    for node, node_cards in groups.items():
+        mine = [i for i, r in enumerate(results) if r.node == node]
+        card_ids = sorted(
+            {*node_cards, *(c for i in mine for c in results[i].cards)}, key=_card_key
+        )
+        lanes = cpu_lanes([results[i] for i in mine])
+        lane_count = max(lanes.values(), default=-1) + 1
+        prefix = f"{node} " if node else ""
+        first = len(labels)
+        labels += [f"{prefix}gpu {card}" for card in card_ids]
+        labels += [f"{prefix}cpu {n + 1}" for n in range(lane_count)]
+        row_of = {card: first + n for n, card in enumerate(card_ids)}
+        for local, i in enumerate(mine):
+            result = results[i]
+            if ran(result):
+                rows[i] = (
+                    [row_of[c] for c in result.cards]
+                    if result.cards
+                    else [first + len(card_ids) + lanes[local]]
+                )
+        card_total += len(card_ids)
+        lane_total += lane_count
+    return labels, rows, card_total, lane_total
+
+
 def timeline_html(
-    results: Sequence[FileResult], cards: Sequence[str] = (), title: str = "gpusched timeline"
+    results: Sequence[FileResult],
+    cards: Sequence[str] = (),
+    title: str = "gpusched timeline",
+    nodes: Mapping[str, Sequence[str]] | None = None,
 ) -> str:
-    """The page for these results; ``cards`` adds rows for cards that stayed idle."""
-    card_ids = sorted({*cards, *(c for r in results for c in r.cards)}, key=_card_key)
-    lanes = cpu_lanes(results)
-    lane_count = max(lanes.values(), default=-1) + 1
-    labels = [f"gpu {card}" for card in card_ids] + [f"cpu {n + 1}" for n in range(lane_count)]
-    row_of = {card: n for n, card in enumerate(card_ids)}
+    """The page for these results; ``cards`` (or each node's, in ``nodes``) adds idle cards' rows."""
+    labels, row_map, card_count, lane_count = layout(results, cards, nodes)
+    label_width = max(LABEL, 7 * max((len(label) for label in labels), default=0) + 16)
     span = max((r.end for r in results if ran(r)), default=0.0) or 1.0
-    scale = (WIDTH - LABEL - 20) / span
+    scale = (WIDTH - label_width - 20) / span
     height = TOP + ROW * max(1, len(labels)) + 30
 
     svg = [
@@ -99,18 +144,18 @@ def timeline_html(
         y = TOP + n * ROW
         shade = "#f4f6f7" if n % 2 == 0 else "#ffffff"
         svg.append(
-            f'<rect class="lane" x="{LABEL}" y="{y}" width="{WIDTH - LABEL - 20}" '
+            f'<rect class="lane" x="{label_width}" y="{y}" width="{WIDTH - label_width - 20}" '
             f'height="{ROW}" fill="{shade}"/>'
         )
         svg.append(
-            f'<text class="label" x="{LABEL - 8}" y="{y + ROW / 2 + 4}" '
+            f'<text class="label" x="{label_width - 8}" y="{y + ROW / 2 + 4}" '
             f'text-anchor="end">{escape(label)}</text>'
         )
     step = _tick_step(span)
     tick = 0.0
     bottom = TOP + ROW * max(1, len(labels))
     while tick <= span + 1e-9:
-        x = LABEL + tick * scale
+        x = label_width + tick * scale
         svg.append(
             f'<line x1="{x:.1f}" y1="{TOP - 4}" x2="{x:.1f}" y2="{bottom}" class="grid"/>'
             f'<text class="tick" x="{x:.1f}" y="{TOP - 8}" text-anchor="middle">{tick:g}s</text>'
@@ -119,20 +164,20 @@ def timeline_html(
     for i, result in enumerate(results):
         if not ran(result):
             continue
-        rows = [row_of[c] for c in result.cards] if result.cards else [len(card_ids) + lanes[i]]
+        rows = row_map[i]
         path = display_path(result.path)
         detail = (
-            f"{path}\n{format_cards(result.cards)} | {result.duration:.1f}s | "
+            f"{path}\n{format_place(result.cards, result.node)} | {result.duration:.1f}s | "
             f"{result.outcome.value}"
             + (f" | {result.message}" if result.message else "")
             + (f" | attempt {result.attempts}" if result.attempts > 1 else "")
         )
-        x = LABEL + result.start * scale
+        x = label_width + result.start * scale
         width = max(1.5, result.duration * scale)
         colour = COLOURS.get(result.outcome, "#999999")
         svg.append(
             f'<g class="bar" data-file="{escape(path)}" '
-            f'data-cards="{escape(format_cards(result.cards))}" '
+            f'data-cards="{escape(format_place(result.cards, result.node))}" '
             f'data-duration="{result.duration:.1f}s" data-outcome="{escape(result.outcome.value)}">'
             f"<title>{escape(detail)}</title>"
         )
@@ -194,7 +239,7 @@ td, th {{ border: 1px solid #ddd; padding: 3px 8px; text-align: left; }}
 </head>
 <body>
 <h1>{escape(title)}</h1>
-<div class="meta">{drawn} files on {len(card_ids)} cards and {lane_count} CPU lanes,
+<div class="meta">{drawn} files on {card_count} cards and {lane_count} CPU lanes,
 makespan {span if drawn else 0.0:.1f}s</div>
 <div class="legend">{legend}</div>
 {"".join(svg)}

@@ -1,0 +1,245 @@
+"""One suite on a simulated 3-node cluster, three ways: ``--ray``, static shards, the lower bound.
+
+Builds a synthetic suite in a temporary directory (24 files by default; each
+needs 0, 1, 2 or 4 cards and sleeps 1 to 8 s) and a real Ray cluster on this
+machine (``ray.cluster_utils``: 3 raylets, each declaring 4 simulated cards
+with ``GPUSCHED_SIMULATE_GPUS`` and two CPUs), then, in one run:
+
+1. ``gpusched run --ray`` across the cluster (run 1, no history: it writes
+   ``.gpusched/durations.json``);
+2. static sharding as CI does it, with that history: ``gpusched shard
+   --runner-sizes 4 --gpus-per-runner 4 --shards 3 --index I --run
+   --simulate-gpus 4 --cpu-slots 2``, the three shards started side by side,
+   one per node;
+3. ``gpusched run --ray`` again (run 2, packing by the history run 1 measured).
+
+Makespan is first start to last end of the files (``--json``); a shard run's
+is its slowest shard's, from their common start. The rigid-task lower bound
+for nodes of ``C_n`` cards and ``s_n`` CPU slots, with ``d_i`` each file's
+sleep and ``g_i`` its cards:
+
+    LB = max( sum(g_i d_i) / sum(C_n),                          GPU-seconds over every card
+              max_i d_i,                                         the longest file
+              max_m sum{d_i : g_i >= m} / sum_n floor(C_n / m),  m = 2..4: so many fit at once
+              sum_cpu(d_i) / sum(s_n) )                          CPU files share the CPU slots
+
+``LB'`` adds ``c`` to every ``d_i``: the wall time of one ``python -m pytest``
+on an empty file, the start-up a file pays (less with the fork server).
+Targets: ``--ray`` makespan at most 1.10 x LB' and at least 1.2 x shorter than
+static shards.
+
+    python bench/cluster_makespan.py            # 24 files, about three minutes on 2 cores
+    python bench/cluster_makespan.py --quick    # 12 shorter files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+NODES = 3
+CARDS = 4
+SLOTS = 2  # CPU slots per node (Ray CPUs of each raylet; a sleeping file uses no core)
+MIX = {0: 0.25, 1: 0.35, 2: 0.25, 4: 0.15}  # share of files needing that many cards
+ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+@dataclass(frozen=True)
+class SyntheticFile:
+    name: str
+    gpus: int
+    seconds: float
+
+
+def make_suite(count: int, low: float, high: float, seed: int) -> list[SyntheticFile]:
+    rng = random.Random(seed)
+    sizes = rng.choices(list(MIX), weights=list(MIX.values()), k=count)
+    return [
+        SyntheticFile(f"test_s{i:02d}.py", gpus, round(rng.uniform(low, high), 1))
+        for i, gpus in enumerate(sizes)
+    ]
+
+
+def write_suite(root: Path, files: list[SyntheticFile]) -> None:
+    for file in files:
+        marker = f"@pytest.mark.gpu({file.gpus})\n" if file.gpus else ""
+        (root / file.name).write_text(
+            f"import time\n\nimport pytest\n\n{marker}def test_work():\n"
+            f"    time.sleep({file.seconds})\n",
+            encoding="utf-8",
+        )
+
+
+def lower_bound(files: list[SyntheticFile], extra: float) -> float:
+    cards = [CARDS] * NODES
+    slots = NODES * SLOTS
+    d = {f.name: f.seconds + extra for f in files}
+    terms = [
+        sum(f.gpus * d[f.name] for f in files) / sum(cards),
+        max(d.values()),
+        sum(d[f.name] for f in files if not f.gpus) / slots,
+    ]
+    for m in range(2, CARDS + 1):
+        fit = sum(c // m for c in cards)
+        terms.append(sum(d[f.name] for f in files if f.gpus >= m) / fit)
+    return max(terms)
+
+
+def env() -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "CUDA_VIS"))}
+    clean.pop("RAY_ADDRESS", None)
+    return {**clean, **ENV}
+
+
+def gpusched(cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpusched", *args],
+        cwd=cwd,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, what: str) -> str:
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: {what} failed ({proc.returncode}):\n{out}")
+    return out
+
+
+def span(report: Path) -> tuple[float, float]:
+    files = [f for f in json.loads(report.read_text())["files"] if f["end"] > f["start"]]
+    return min(f["start"] for f in files), max(f["end"] for f in files)
+
+
+def pytest_start(root: Path, times: int = 3) -> float:
+    empty = root / "empty" / "test_empty.py"
+    empty.parent.mkdir()
+    empty.write_text("def test_empty():\n    pass\n")
+    walls = []
+    for _ in range(times):
+        t = time.monotonic()
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(empty)],
+            env=env(),
+            capture_output=True,
+            check=True,
+        )
+        walls.append(time.monotonic() - t)
+    return statistics.median(walls)
+
+
+def ray_run(root: Path, address: str, report: str) -> tuple[float, float]:
+    t = time.monotonic()
+    finish(gpusched(root, "run", ".", "--ray", address, "--json", report), "--ray run")
+    wall = time.monotonic() - t
+    start, end = span(root / report)
+    return end - start, wall
+
+
+def shard_runs(root: Path) -> tuple[float, float]:
+    t = time.monotonic()
+    procs = [
+        gpusched(
+            root,
+            "shard",
+            ".",
+            "--runner-sizes",
+            str(CARDS),
+            "--gpus-per-runner",
+            str(CARDS),
+            "--shards",
+            str(NODES),
+            "--index",
+            str(i),
+            "--run",
+            "--simulate-gpus",
+            str(CARDS),
+            "--cpu-slots",
+            "1",
+            "--json",
+            f"shard{i}.json",
+        )  # fmt: skip
+        for i in range(NODES)
+    ]
+    for i, proc in enumerate(procs):
+        finish(proc, f"shard {i}")
+    wall = time.monotonic() - t
+    # Each shard's runner counts from its own start; they started together.
+    makespan = max(span(root / f"shard{i}.json")[1] for i in range(NODES))
+    return makespan, wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=24)
+    parser.add_argument("--quick", action="store_true", help="12 files of 1 to 4 s")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    count, high = (12, 4.0) if args.quick else (args.files, 8.0)
+    files = make_suite(count, 1.0, high, args.seed)
+    os.environ.update(ENV)
+    from ray.cluster_utils import Cluster
+
+    with tempfile.TemporaryDirectory(prefix="gs-cluster-bench-") as tmp:
+        root = Path(tmp)
+        c = pytest_start(root)
+        suite = root / "suite"
+        suite.mkdir()
+        write_suite(suite, files)
+        declare = {"GPUSCHED_SIMULATE_GPUS": str(CARDS)}
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": SLOTS, "include_dashboard": False, "env_vars": declare},
+        )
+        try:
+            for _ in range(NODES - 1):
+                cluster.add_node(num_cpus=SLOTS, env_vars=declare)
+            cluster.wait_for_nodes()
+            run1, wall1 = ray_run(suite, cluster.address, "ray1.json")
+            shards, shard_wall = shard_runs(suite)
+            run2, wall2 = ray_run(suite, cluster.address, "ray2.json")
+        finally:
+            for node in list(cluster.worker_nodes):
+                cluster.remove_node(node, allow_graceful=False)
+            if cluster.head_node is not None:
+                cluster.remove_node(cluster.head_node, allow_graceful=False)
+    lb, lbp = lower_bound(files, 0.0), lower_bound(files, c)
+    mix = {g: sum(1 for f in files if f.gpus == g) for g in MIX}
+    print(
+        f"bench: {len(files)} files ({', '.join(f'{n} x {g} cards' for g, n in mix.items())}), "
+        f"{sum(f.seconds for f in files):.0f} s of sleep; {NODES} nodes x {CARDS} simulated "
+        f"cards, {SLOTS} CPU slots each; c = {c:.2f} s (one pytest subprocess)"
+    )
+    rows = [
+        ("", "--ray run 1 (no history)", "static shards (history)", "--ray run 2 (history)"),
+        ("makespan (s)", f"{run1:.1f}", f"{shards:.1f}", f"{run2:.1f}"),
+        ("command wall time (s)", f"{wall1:.1f}", f"{shard_wall:.1f}", f"{wall2:.1f}"),
+        ("makespan / LB'", f"{run1 / lbp:.3f}", f"{shards / lbp:.3f}", f"{run2 / lbp:.3f}"),
+        ("static shards / this", f"{shards / run1:.2f}x", "1.00x", f"{shards / run2:.2f}x"),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print(f"LB {lb:.1f} s, LB' {lbp:.1f} s")
+    best = min(run1, run2)
+    print(
+        f"targets: --ray makespan/LB' {best / lbp:.3f} <= 1.10: {'yes' if best / lbp <= 1.10 else 'no'}; "
+        f"static/--ray {shards / best:.2f}x >= 1.2x: {'yes' if shards / best >= 1.2 else 'no'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

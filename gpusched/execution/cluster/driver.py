@@ -1,0 +1,617 @@
+"""The driver's side of ``gpusched run --ray``: connect, start the agents, run the files, gather.
+
+The driver is the single controller. ``connect`` joins the Ray cluster (and
+ships the suite's root directory with Ray's ``working_dir``, unless the user
+names a directory every node shares); ``start_agents`` places one
+``NodeAgent`` actor on every alive node (node affinity, not soft) and reads
+its cards, cores and versions; ``check_versions`` refuses a node whose
+interpreter, pytest, gpusched or plugins differ. ``ClusterRun`` then asks the
+pure ``ClusterPolicy`` where each file goes, sends each decision to the node's
+agent, and turns what the agents send back into one stream of results for the
+reporters. Ray is the transport (actor calls, a long poll per agent that is
+also its heartbeat) and the membership (an agent whose node died fails its
+calls), never the policy.
+
+Faults: a node that leaves (its agent's calls fail, or it stays silent past
+``silence`` seconds) has its running files placed again elsewhere, once;
+Ctrl-C or SIGTERM makes every agent kill its files' trees and report them
+INTERRUPTED, the files not started are NOT RUN. If an agent's process dies
+anyway, its node's watchdog kills what is left of the run there.
+
+Ray is imported here only, when the first function is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpusched.atomic import atomic_write
+from gpusched.execution.cluster import versions
+from gpusched.execution.cluster.agent import (
+    AgentConfig,
+    AgentDone,
+    AgentEvent,
+    FileFinished,
+    FileStarted,
+    NodeAgent,
+    NodeInfo,
+    Note,
+    Placed,
+)
+from gpusched.execution.runner import log_name
+from gpusched.results import FAILING, FileResult, Outcome, TestResult
+from gpusched.scheduling.cluster import ClusterPolicy, Node, Placement
+from gpusched.scheduling.packing import Job, Unschedulable
+
+# Left out of what is shipped to the nodes, besides what .gitignore and the user exclude.
+DEFAULT_EXCLUDES = (".git", ".gpusched", "__pycache__", "*.pyc", ".venv", ".tox", ".nox")
+AGENT_START_TIMEOUT = 120.0  # seconds for every agent to be placed and to answer
+SILENCE = 60.0  # seconds without an answer to a poll before an agent's node counts as lost
+STOP_BOUND = 30.0  # seconds, after the kill grace, for agents to confirm their files are over
+
+
+class ClusterError(Exception):
+    """The run cannot use this cluster; the message names the address or the node, and why."""
+
+
+@dataclass(frozen=True)
+class CodeSpec:
+    """Where the suite's code comes from on the nodes.
+
+    ``root`` is the suite's root directory here. With ``shared`` (the same
+    directory as every node sees it) nothing is shipped; without it ``root`` is
+    shipped with Ray's ``working_dir``, leaving out ``excludes`` (gitignore-style
+    patterns) and what ``.gitignore`` files exclude.
+    """
+
+    root: Path
+    shared: str | None = None
+    excludes: tuple[str, ...] = ()
+
+
+@dataclass
+class Agent:
+    """One node's agent as the driver holds it."""
+
+    info: NodeInfo
+    name: str
+    actor: Any
+    cpu_slots: int
+    done: bool = False
+    lost: str | None = None  # why the node left the run
+    heard: float = field(default_factory=time.monotonic)
+
+
+def ray_address(address: str) -> str:
+    """``auto``: ``RAY_ADDRESS`` if set, else the cluster running on this machine."""
+    if address == "auto":
+        return os.environ.get("RAY_ADDRESS") or "auto"
+    return address
+
+
+def connect(address: str, code: CodeSpec | None) -> None:
+    """Join the cluster at ``address`` (``ray.init``), shipping ``code.root`` unless it is shared."""
+    import ray
+
+    runtime_env = None
+    if code is not None and code.shared is None:
+        runtime_env = {
+            "working_dir": str(code.root),
+            "excludes": [*DEFAULT_EXCLUDES, *code.excludes],
+        }
+    target = ray_address(address)
+    problem = unreachable(target)
+    if problem:
+        raise ClusterError(f"--ray {address}: {problem}")
+    try:
+        ray.init(
+            address=target,
+            runtime_env=runtime_env,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+    except ConnectionError as exc:
+        raise ClusterError(f"--ray {address}: no Ray cluster there ({exc})") from None
+    except ValueError as exc:  # a working_dir Ray refuses (too large, unreadable)
+        raise ClusterError(
+            f"--ray {address}: cannot ship {code.root if code else ''}: {exc}"
+        ) from None
+
+
+def unreachable(address: str, timeout: float = 5.0) -> str | None:
+    """Why nothing answers at ``HOST:PORT``, or None (also for ``auto`` and ``ray://``: Ray checks).
+
+    Ray itself keeps retrying an address where no cluster listens for minutes.
+    """
+    if address == "auto" or "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return f"{address!r} is not HOST:PORT (or auto)"
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return f"no Ray cluster answers at {address} ({exc.strerror or exc})"
+    return None
+
+
+def disconnect() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def node_names(infos: Sequence[NodeInfo]) -> list[str]:
+    """Each node's host name, with the start of its id where two nodes share a host name."""
+    hosts = [info.hostname for info in infos]
+    return [
+        info.hostname if hosts.count(info.hostname) == 1 else f"{info.hostname}-{info.node_id[:6]}"
+        for info in infos
+    ]
+
+
+def start_agents(cpu_slots: int, timeout: float = AGENT_START_TIMEOUT) -> list[Agent]:
+    """One agent per alive node, pinned to it; each has answered ``describe``.
+
+    A node runs at most ``cpu_slots`` CPU files at once, and no more than Ray
+    counts CPUs on it (at least one). Raises ClusterError naming the nodes whose
+    agent could not start.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    if not nodes:
+        raise ClusterError("the Ray cluster has no alive node")
+    remote = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(NodeAgent)
+    actors = [
+        remote.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote()
+        for node in nodes
+    ]
+    answers = [actor.describe.remote() for actor in actors]
+    ready, _ = ray.wait(answers, num_returns=len(answers), timeout=timeout)
+    infos: list[NodeInfo] = []
+    problems = []
+    for node, answer in zip(nodes, answers, strict=True):
+        where = f"node {node['NodeManagerHostname']} ({node['NodeID'][:6]}, {node['NodeManagerAddress']})"
+        if answer not in ready:
+            problems.append(f"{where}: its agent did not start within {timeout:g}s")
+            continue
+        try:
+            info = ray.get(answer)
+        except Exception as exc:  # noqa: BLE001 - anything the actor raised, named below
+            problems.append(f"{where}: its agent failed to start: {_first_line(exc)}")
+            continue
+        if info.error:
+            problems.append(f"{where}: {info.error}")
+        infos.append(info)
+    if problems:
+        for actor in actors:
+            ray.kill(actor)
+        raise ClusterError("; ".join(problems))
+    by_id = {node["NodeID"]: node for node in nodes}
+    agents = []
+    for info, name, actor in zip(infos, node_names(infos), actors, strict=True):
+        cpus = int(by_id.get(info.node_id, {}).get("Resources", {}).get("CPU", 1))
+        agents.append(Agent(info, name, actor, max(1, min(cpu_slots, cpus))))
+    return agents
+
+
+def check_versions(agents: Sequence[Agent], here: Mapping[str, str] | None = None) -> None:
+    """Refuse to run if a node's versions differ from the driver's; the message names each."""
+    mine = dict(here if here is not None else versions.local_versions())
+    problems = []
+    for agent in agents:
+        diff = versions.differences(mine, agent.info.versions)
+        if diff:
+            problems.append(f"node {agent.name}: " + "; ".join(diff))
+    if problems:
+        raise ClusterError(
+            "the nodes must run the same interpreter, pytest, gpusched and pytest plugins "
+            "as this machine (here = the driver, there = the node): " + " | ".join(problems)
+        )
+
+
+def policy_nodes(agents: Sequence[Agent]) -> list[Node]:
+    return [Node(a.info.node_id, a.name, a.info.cards, a.cpu_slots) for a in agents]
+
+
+class ClusterReporter(Protocol):
+    """Who hears about a cluster run's progress (the session's console or live view)."""
+
+    def started(self, job: Job, node: str, cards: tuple[str, ...], attempt: int) -> None: ...
+
+    def finished(self, result: FileResult) -> None: ...
+
+    def interrupting(self, signum: int, second: bool) -> None: ...
+
+    def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None: ...
+
+    def say(self, line: str) -> None: ...
+
+
+@dataclass
+class ClusterReport:
+    """What a cluster run produced, for the reports (as ``RunReport`` on one node)."""
+
+    results: list[FileResult] = field(default_factory=list)
+    interrupted: bool = False
+    quarantined: list[str] = field(default_factory=list)  # "node:card"
+    lost: list[tuple[str, str]] = field(default_factory=list)  # (node, why)
+
+
+@dataclass(frozen=True)
+class _Events:
+    node: str
+    events: list[AgentEvent]
+
+
+@dataclass(frozen=True)
+class _Lost:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Signal:
+    signum: int
+
+
+@dataclass(frozen=True)
+class _Tick:
+    pass
+
+
+_DriverEvent = _Events | _Lost | _Signal | _Tick
+
+
+class ClusterRun:
+    """One run across the agents: places files, gathers results, handles lost nodes and Ctrl-C."""
+
+    def __init__(
+        self,
+        agents: Sequence[Agent],
+        config: AgentConfig,
+        tests: Mapping[str, Sequence[str]],
+        reporter: ClusterReporter,
+        *,
+        root: Path,
+        log_dir: Path,
+        exitfirst: bool = False,
+        heartbeat: float | None = None,
+        silence: float = SILENCE,
+    ) -> None:
+        self.agents = {agent.info.node_id: agent for agent in agents}
+        self.policy = ClusterPolicy(policy_nodes(agents))
+        self.config = config
+        self.tests = dict(tests)
+        self.reporter = reporter
+        self.root = root
+        self.log_dir = log_dir
+        self.exitfirst = exitfirst
+        self.heartbeat = heartbeat
+        self.silence = silence
+        self.report = ClusterReport()
+        self.jobs: dict[int, Job] = {}
+        self.started: dict[int, float] = {}  # running job -> monotonic start, for --heartbeat
+        self.lost_once: dict[int, str] = {}  # job id -> the node lost while it ran there
+        self.stopping = False  # Ctrl-C: no new file, every agent kills its files
+        self.no_new = False  # -x after a failure: no new file, running ones finish
+        self.events: asyncio.Queue[_DriverEvent] = asyncio.Queue()
+        self.relative: dict[int, str] = {}  # job id -> its path under the root, as nodes see it
+        self._next_beat = time.monotonic() + (heartbeat or 0.0)
+
+    async def run(self, jobs: Sequence[Job]) -> ClusterReport:
+        """Run ``jobs`` to the end (or to an interrupt) and return every file's final result."""
+        loop = asyncio.get_running_loop()
+        self.jobs = {job.id: job for job in jobs}
+        self.relative = {job.id: self._relative(job.path) for job in jobs}
+        starts = [(a, a.actor.start.remote(self.config)) for a in self.agents.values()]
+        for agent, start in starts:
+            try:
+                await _call(start)
+            except Exception as exc:  # noqa: BLE001 - its node left before the run began
+                self._node_lost(agent.info.node_id, _first_line(exc))
+        pollers = [asyncio.create_task(self._poll(agent)) for agent in self.agents.values()]
+        ticker = asyncio.create_task(self._tick())
+        installed = []
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, self.events.put_nowait, _Signal(signum))
+                installed.append(signum)
+            except (RuntimeError, ValueError, NotImplementedError):
+                pass
+        self.policy.submit(jobs)
+        try:
+            await self._loop()
+            await self._close()
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self._interrupt(signal.SIGINT)
+            await self._loop()
+            await self._close()
+        finally:
+            for signum in installed:
+                loop.remove_signal_handler(signum)
+            ticker.cancel()
+            for poller in pollers:
+                poller.cancel()
+        for job in self.policy.cancel_pending():
+            self._not_run(job)
+        return self.report
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _loop(self) -> None:
+        while True:
+            if not (self.stopping or self.no_new):
+                self._place()
+            if not self.policy.running and (
+                self.stopping or self.no_new or not self.policy.has_pending
+            ):
+                return
+            match await self.events.get():
+                case _Events(node, events):
+                    self._heard(node, events)
+                case _Lost(node, reason):
+                    self._node_lost(node, reason)
+                case _Signal(signum):
+                    self._interrupt(signum)
+                case _Tick():
+                    self._check_silence()
+
+    async def _close(self) -> None:
+        """Every file is over: let the agents end and confirm (bounded), then stop them."""
+        live = [a for a in self.agents.values() if a.lost is None and not a.done]
+        for agent in live:
+            agent.actor.close_input.remote()
+        deadline = time.monotonic() + self.config.kill_grace + STOP_BOUND
+        while any(a.lost is None and not a.done for a in self.agents.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                event = await asyncio.wait_for(self.events.get(), left)
+            except TimeoutError:
+                break
+            match event:
+                case _Events(node, events):
+                    self._heard(node, events)
+                case _Lost(node, reason):
+                    self._node_lost(node, reason)
+                case _Signal(signum):
+                    self._interrupt(signum)
+        stops = [a.actor.stop.remote() for a in self.agents.values() if a.lost is None and a.done]
+        for stop in stops:
+            try:
+                await asyncio.wait_for(_call(stop), STOP_BOUND)
+            except Exception:  # noqa: BLE001 - ending anyway; the node's watchdog cleans up
+                pass
+
+    def _place(self) -> None:
+        by_node: dict[str, list[Placed]] = {}
+        for decision in self.policy.schedule():
+            match decision:
+                case Placement(node, assignment):
+                    job = assignment.job
+                    cards = tuple(card.id for card in assignment.cards)
+                    by_node.setdefault(node, []).append(
+                        Placed(
+                            job.id,
+                            self.relative[job.id],
+                            job.requirement,
+                            job.expected,
+                            cards,
+                            tuple(self.tests.get(job.path, ())),
+                        )
+                    )
+                case Unschedulable(job, reason):
+                    self._record(
+                        FileResult(
+                            job.path,
+                            Outcome.SKIPPED,
+                            message=reason,
+                            tests=[
+                                TestResult(nodeid, "skipped", 0.0, reason)
+                                for nodeid in self.tests.get(job.path, ())
+                            ],
+                        )
+                    )
+        for node, placed in by_node.items():
+            self.agents[node].actor.place.remote(placed)
+
+    def _heard(self, node: str, events: list[AgentEvent]) -> None:
+        agent = self.agents[node]
+        agent.heard = time.monotonic()
+        if agent.lost is not None:
+            return  # it was given up on; its files already went elsewhere
+        for event in events:
+            match event:
+                case FileStarted(job_id, cards, attempt):
+                    self.started[job_id] = time.monotonic()
+                    job = self.jobs[job_id]
+                    self.reporter.started(job, agent.name, cards, attempt)
+                case FileFinished(job_id, result, final, quarantined, log):
+                    self._finished(agent, job_id, result, final, quarantined, log)
+                case Note(text):
+                    self.reporter.say(f"{text} (node {agent.name})")
+                case AgentDone():
+                    agent.done = True
+
+    def _finished(
+        self,
+        agent: Agent,
+        job_id: int,
+        result: FileResult,
+        final: bool,
+        quarantined: tuple[str, ...],
+        log: str | None,
+    ) -> None:
+        job = self.jobs[job_id]
+        result.path = job.path
+        result.node = agent.name
+        if log is not None:
+            target = self.log_dir / log_name(job.path, str(self.root))
+            try:
+                atomic_write(str(target), log)
+                result.log = str(target)
+            except OSError:
+                result.log = None
+        else:
+            result.log = None
+        if job_id in self.lost_once:
+            again = f"ran again after node {self.lost_once[job_id]} was lost"
+            result.message = f"{result.message}; {again}" if result.message else again
+        if not final:
+            self.reporter.finished(result)  # a failed attempt; the agent runs it again
+            return
+        self.started.pop(job_id, None)
+        self.policy.complete(job_id, quarantined)
+        self.report.quarantined.extend(f"{agent.name}:{card}" for card in quarantined)
+        self._record(result)
+        if self.exitfirst and result.outcome in FAILING and not self.no_new:
+            self.no_new = True
+            for pending in self.policy.cancel_pending():
+                self._not_run(pending, "not started (-x)")
+
+    def _node_lost(self, node: str, reason: str) -> None:
+        agent = self.agents[node]
+        if agent.lost is not None or agent.done:
+            return
+        agent.lost = reason
+        self.report.lost.append((agent.name, reason))
+        lost = self.policy.remove_node(node)
+        names = ", ".join(os.path.relpath(job.path) for job in lost) or "none"
+        self.reporter.say(
+            f"gpusched: node {agent.name} left the run ({reason}); "
+            f"its {len(lost)} running file(s) go to other nodes: {names}"
+        )
+        for job in lost:
+            self.started.pop(job.id, None)
+            if self.stopping:
+                self._record(
+                    FileResult(job.path, Outcome.INTERRUPTED, node=agent.name, message=reason)
+                )
+            elif job.id in self.lost_once:
+                self._record(
+                    FileResult(
+                        job.path,
+                        Outcome.CRASHED,
+                        node=agent.name,
+                        message=f"its node was lost twice ({self.lost_once[job.id]}, then "
+                        f"{agent.name}: {reason})",
+                        tests=[
+                            TestResult(nodeid, "crashed", 0.0, reason)
+                            for nodeid in self.tests.get(job.path, ())
+                        ],
+                    )
+                )
+            else:
+                self.lost_once[job.id] = agent.name
+                self.policy.submit([job])
+
+    def _interrupt(self, signum: int) -> None:
+        second = self.stopping
+        self.reporter.interrupting(signum, second)
+        self.report.interrupted = True
+        self.stopping = True
+        if not second:
+            for job in self.policy.cancel_pending():
+                self._not_run(job)
+        for agent in self.agents.values():
+            if agent.lost is None and not agent.done:
+                agent.actor.interrupt.remote()
+
+    def _check_silence(self) -> None:
+        now = time.monotonic()
+        for node, agent in self.agents.items():
+            if agent.lost is None and not agent.done and now - agent.heard > self.silence:
+                import ray
+
+                ray.kill(
+                    agent.actor, no_restart=True
+                )  # if it is alive after all: its watchdog cleans up
+                self._node_lost(node, f"its agent did not answer for {self.silence:g}s")
+        if self.heartbeat and now >= self._next_beat:
+            self._next_beat += self.heartbeat
+        else:
+            return
+        if self.started:
+            self.reporter.heartbeat(
+                sorted(
+                    ((self.jobs[job_id], now - since) for job_id, since in self.started.items()),
+                    key=lambda item: -item[1],
+                )
+            )
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _poll(self, agent: Agent) -> None:
+        """Fetch the agent's events until it is done; a failed call means its node is lost."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        while not agent.done and agent.lost is None:
+            try:
+                events = await _call(agent.actor.poll.remote())
+            except ActorUnavailableError:
+                await asyncio.sleep(0.5)  # transient: silence decides if it lasts
+                continue
+            except RayActorError as exc:
+                self.events.put_nowait(_Lost(agent.info.node_id, _first_line(exc)))
+                return
+            self.events.put_nowait(_Events(agent.info.node_id, events))
+            if any(isinstance(event, AgentDone) for event in events):
+                return
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.events.put_nowait(_Tick())
+
+    def _relative(self, path: str) -> str:
+        relative = os.path.relpath(path, self.root)
+        if relative.startswith(".."):
+            raise ClusterError(f"{path} is outside {self.root}, the directory the nodes have")
+        return relative
+
+    def _record(self, result: FileResult) -> None:
+        self.report.results.append(result)
+        self.reporter.finished(result)
+
+    def _not_run(self, job: Job, message: str = "not started (interrupted)") -> None:
+        self._record(
+            FileResult(
+                job.path,
+                Outcome.NOT_RUN,
+                message=message,
+                tests=[TestResult(nodeid, "not run") for nodeid in self.tests.get(job.path, ())],
+            )
+        )
+
+
+async def _call(ref: Any) -> Any:
+    """Await a Ray object reference on this event loop."""
+    return await asyncio.wrap_future(ref.future())
+
+
+def _first_line(exc: BaseException) -> str:
+    """What went wrong, in one line: for an error raised inside an actor, the original one."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip().rstrip(":")

@@ -1,0 +1,342 @@
+"""Packing across the nodes of a cluster: the single controller's policy, as pure data.
+
+The driver of a ``gpusched run --ray`` holds one ``ClusterPolicy``: one view of
+every node's cards. It keeps one ``Packer`` per node, so on each node the cards
+are chosen exactly as on one machine (best fit on memory, CPU slots, quarantine);
+the policy adds only the choice of the node. Its order is today's: the largest
+pending job first (most GPUs, then longest expected, then file order), on the
+node where it fits with the least memory to spare, then on the node with the
+fewest free cards (so large holes stay open for large jobs); a CPU job goes to
+the node with the most free CPU slots. A job never spans nodes: a job needing
+more cards than any node has is ``Unschedulable`` with the reason.
+
+A node agent (``gpusched.execution.cluster.agent``) applies the decisions it is
+sent through ``PinnedPolicy``, the local runner's policy there: it starts each
+job on exactly the cards the driver chose.
+
+Nothing here imports Ray or starts a process.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpusched.inventory import Card
+from gpusched.requirements import Requirement, format_memory
+from gpusched.scheduling.packing import (
+    Assignment,
+    Decision,
+    Job,
+    Packer,
+    Unschedulable,
+    able_cards,
+    largest_fitting,
+)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the cluster as the policy sees it: ``id`` is unique, ``name`` is for people."""
+
+    id: str
+    name: str
+    cards: tuple[Card, ...]
+    cpu_slots: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Start ``assignment.job`` now on ``node``, on its node-local ``assignment.cards``."""
+
+    node: str
+    assignment: Assignment
+
+    @property
+    def job(self) -> Job:
+        return self.assignment.job
+
+    @property
+    def cards(self) -> tuple[Card, ...]:
+        return self.assignment.cards
+
+
+ClusterDecision = Placement | Unschedulable
+
+
+def _priority(job: Job) -> tuple[int, float, int]:
+    return (-job.gpus, -job.expected, job.id)
+
+
+def _memory_key(card: Card) -> float:
+    return math.inf if card.memory is None else card.memory
+
+
+def cluster_requirement(
+    requirement: Requirement, levels: Sequence[Requirement], nodes: Sequence[Node]
+) -> Requirement:
+    """A file's requirement, lowered to the largest of its tests' levels that fits some node.
+
+    The cluster form of the single-node rule: a file whose maximum fits no node
+    still runs at the largest level one node can give it; its tests that need
+    more are skipped inside by the plugin.
+    """
+    if any(largest_fitting((requirement,), node.cards) for node in nodes):
+        return requirement
+    fitting = [level for node in nodes if (level := largest_fitting(levels, node.cards))]
+    return max(fitting, key=lambda level: (level.gpus, level.memory or 0), default=requirement)
+
+
+class ClusterPolicy:
+    """The driver's policy: which node and which of its cards each job gets.
+
+    Called by the cluster driver only. ``complete`` and ``remove_node`` are the
+    only ways a job stops holding its cards; the driver calls ``complete`` once
+    the node's agent reported the job over (its processes gone, its cards
+    checked), and ``remove_node`` when the node left the cluster.
+    """
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        ids = [node.id for node in nodes]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"node ids must be unique, got {ids}")
+        self._nodes: dict[str, Node] = {node.id: node for node in nodes}
+        self._packers = {node.id: Packer(node.cards, node.cpu_slots) for node in nodes}
+        self._quarantined: dict[str, set[str]] = {node.id: set() for node in nodes}
+        self._pending: list[Job] = []
+        self._running: dict[int, Placement] = {}
+
+    @property
+    def nodes(self) -> list[Node]:
+        return list(self._nodes.values())
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def running(self) -> dict[int, Placement]:
+        return dict(self._running)
+
+    def submit(self, jobs: Iterable[Job]) -> None:
+        self._pending.extend(jobs)
+        self._pending.sort(key=_priority)
+
+    def schedule(self) -> list[ClusterDecision]:
+        """Decisions to apply now, in priority order; the driver reports back through ``complete``."""
+        decisions: list[ClusterDecision] = []
+        still_pending: list[Job] = []
+        for job in self._pending:
+            reason = self._never_fits(job)
+            if reason:
+                decisions.append(Unschedulable(job, reason))
+                continue
+            node = self._choose(job)
+            if node is None:
+                still_pending.append(job)
+                continue
+            packer = self._packers[node]
+            packer.submit([job])
+            made: list[Decision] = packer.schedule()
+            assert len(made) == 1 and isinstance(made[0], Assignment), made  # it fits: checked
+            placement = Placement(node, made[0])
+            self._running[job.id] = placement
+            decisions.append(placement)
+        self._pending = still_pending
+        return decisions
+
+    def complete(self, job_id: int, quarantined: Iterable[str] = ()) -> None:
+        """The job is over on its node: its cards (but the ``quarantined`` ones) and slot are free."""
+        placement = self._running.pop(job_id)
+        bad = set(quarantined)
+        self._quarantined[placement.node] |= bad
+        self._packers[placement.node].complete(job_id, bad)
+
+    def remove_node(self, node_id: str) -> list[Job]:
+        """The node left the cluster: forget it; return the jobs that were running there.
+
+        They are not queued again here: the driver decides (once more, or a failure).
+        """
+        self._nodes.pop(node_id, None)
+        self._packers.pop(node_id, None)
+        self._quarantined.pop(node_id, None)
+        lost = [p.job for p in self._running.values() if p.node == node_id]
+        for job in lost:
+            del self._running[job.id]
+        return sorted(lost, key=lambda job: job.id)
+
+    def cancel_pending(self) -> list[Job]:
+        """Drop every job not yet started (interrupt, ``-x``) and return them in file order."""
+        dropped, self._pending = self._pending, []
+        return sorted(dropped, key=lambda job: job.id)
+
+    # ------------------------------------------------------------------ internals
+
+    def _usable(self, node_id: str) -> list[Card]:
+        bad = self._quarantined[node_id]
+        return [card for card in self._nodes[node_id].cards if card.id not in bad]
+
+    def _free(self, node_id: str) -> list[Card]:
+        busy = {
+            card.id
+            for placement in self._running.values()
+            if placement.node == node_id
+            for card in placement.cards
+        }
+        return [card for card in self._usable(node_id) if card.id not in busy]
+
+    def _cpu_free(self, node_id: str) -> int:
+        used = sum(1 for p in self._running.values() if p.node == node_id and not p.cards)
+        return self._nodes[node_id].cpu_slots - used
+
+    def _choose(self, job: Job) -> str | None:
+        """The node to start ``job`` on now, or None if it fits nowhere yet."""
+        order = {node_id: i for i, node_id in enumerate(self._nodes)}
+        if job.gpus == 0:
+            free = {node_id: self._cpu_free(node_id) for node_id in self._nodes}
+            open_nodes = [node_id for node_id, slots in free.items() if slots > 0]
+            return min(open_nodes, key=lambda n: (-free[n], order[n]), default=None)
+        best: tuple[float, int, int] | None = None
+        chosen = None
+        for node_id in self._nodes:
+            memory = job.requirement.memory
+            able = [
+                card
+                for card in self._free(node_id)
+                if memory is None or card.memory is None or card.memory >= memory
+            ]
+            if len(able) < job.gpus:
+                continue
+            smallest = sorted(able, key=_memory_key)[: job.gpus]
+            key = (sum(_memory_key(card) for card in smallest), len(able), order[node_id])
+            if best is None or key < best:
+                best, chosen = key, node_id
+        return chosen
+
+    def _never_fits(self, job: Job) -> str | None:
+        if not self._nodes:
+            return "no node of the cluster is left"
+        if job.gpus == 0:
+            return None
+        usable = {node_id: self._usable(node_id) for node_id in self._nodes}
+        able = {node_id: able_cards(job.requirement, cards) for node_id, cards in usable.items()}
+        if any(count >= job.gpus for count in able.values()):
+            return None
+        return unschedulable_reason(
+            job.requirement, {self._nodes[n].name: cards for n, cards in usable.items()}
+        )
+
+
+def unschedulable_reason(requirement: Requirement, nodes: Mapping[str, Sequence[Card]]) -> str:
+    """Why no node can run a file that needs ``requirement`` (``nodes``: name -> usable cards)."""
+    gpus, memory = requirement.gpus, requirement.memory
+    if not any(nodes.values()):
+        return f"needs {gpus} GPUs, no node of the cluster has any"
+    largest = max(nodes, key=lambda name: len(nodes[name]))
+    if memory is None:
+        return f"needs {gpus} GPUs, the largest node ({largest}) has {len(nodes[largest])}"
+    able = {name: able_cards(requirement, cards) for name, cards in nodes.items()}
+    most = max(able, key=lambda name: able[name])
+    return (
+        f"needs {gpus} GPUs with >= {format_memory(memory)} on one node, "
+        f"the most such cards on one node is {able[most]} ({most})"
+    )
+
+
+class PinnedPolicy:
+    """The local runner's policy on a node agent: start each job on the cards the driver chose.
+
+    The agent calls ``place`` before it submits a job to its runner. The runner
+    submits a job again for a rerun (``--reruns``): it goes back on the same
+    cards, which the driver still counts as taken. A job waits while one of its
+    cards is still held on this node (never the case when the driver and the
+    agent agree; a safety, not a queue).
+    """
+
+    def __init__(self) -> None:
+        self._cards: dict[int, tuple[Card, ...]] = {}
+        self._pending: list[Job] = []
+        self._running: dict[int, tuple[Card, ...]] = {}
+        self.quarantined: dict[int, tuple[str, ...]] = {}  # job id -> cards its end quarantined
+
+    def place(self, job: Job, cards: Sequence[Card]) -> None:
+        self._cards[job.id] = tuple(cards)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def submit(self, jobs: Iterable[Job]) -> None:
+        for job in jobs:
+            if job.id not in self._cards:
+                raise KeyError(f"job {job.id} ({job.path}) was submitted but never placed")
+            self._pending.append(job)
+
+    def schedule(self) -> list[Decision]:
+        busy = {card.id for cards in self._running.values() for card in cards}
+        decisions: list[Decision] = []
+        waiting: list[Job] = []
+        for job in self._pending:
+            cards = self._cards[job.id]
+            if any(card.id in busy for card in cards):
+                waiting.append(job)
+                continue
+            busy.update(card.id for card in cards)
+            self._running[job.id] = cards
+            decisions.append(Assignment(job, cards))
+        self._pending = waiting
+        return decisions
+
+    def complete(self, job_id: int, quarantined: Iterable[str] = ()) -> None:
+        self._running.pop(job_id, None)
+        self.quarantined[job_id] = tuple(quarantined)
+
+    def cancel_pending(self) -> list[Job]:
+        dropped, self._pending = self._pending, []
+        return sorted(dropped, key=lambda job: job.id)
+
+    def upcoming(self, count: int) -> list[Job]:
+        return []  # the driver decides what comes next; agents start nothing ahead
+
+
+@dataclass(frozen=True)
+class PlacedRun:
+    """Where and when a job would run on the cluster, if it took exactly its expected time."""
+
+    node: str
+    job: Job
+    cards: tuple[Card, ...]
+    start: float
+    end: float
+
+
+def simulate_cluster(
+    nodes: Sequence[Node], jobs: Sequence[Job]
+) -> tuple[list[PlacedRun], list[tuple[Job, str]]]:
+    """The runs ``ClusterPolicy`` would make on a virtual clock, and the jobs it would skip.
+
+    The makespan prediction of ``gpusched plan --ray`` is ``max(run.end)``.
+    """
+    policy = ClusterPolicy(nodes)
+    policy.submit(jobs)
+    now = 0.0
+    runs: list[PlacedRun] = []
+    skipped: list[tuple[Job, str]] = []
+    finishing: list[tuple[float, int]] = []
+    while True:
+        for decision in policy.schedule():
+            if isinstance(decision, Placement):
+                end = now + decision.job.expected
+                runs.append(PlacedRun(decision.node, decision.job, decision.cards, now, end))
+                heapq.heappush(finishing, (end, decision.job.id))
+            else:
+                skipped.append((decision.job, decision.reason))
+        if not finishing:
+            break
+        now, job_id = heapq.heappop(finishing)
+        policy.complete(job_id)
+        while finishing and finishing[0][0] == now:
+            policy.complete(heapq.heappop(finishing)[1])
+    return runs, skipped
