@@ -14,6 +14,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 from gpusched import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, STATE_DIR, __version__
 from gpusched.collection.collect import CollectionFailed
@@ -158,7 +159,6 @@ def _classes(files: dict[str, SuiteFile], sizes_text: str | None):
 
 def shard_command(namespace: argparse.Namespace, settings: dict, pytest_args: list[str]) -> int:
     """``gpusched shard``: print this runner's files, or run them with ``--run``."""
-    from gpusched import session
     from gpusched.reporting.report import display_path
 
     files = suite_files(namespace.paths, settings, pytest_args)
@@ -178,7 +178,19 @@ def shard_command(namespace: argparse.Namespace, settings: dict, pytest_args: li
             f"{namespace.gpus_per_runner}-card runners has no files"
         )
         return EXIT_OK
-    return session.run(paths, settings, pytest_args)
+    return session_for(settings).run(paths, settings, pytest_args)
+
+
+def session_for(settings: dict) -> ModuleType:
+    """The session that runs these settings: across a Ray cluster (the only path that
+    imports Ray) or on this node's cards."""
+    if settings.get("ray"):
+        from gpusched import cluster_session
+
+        return cluster_session
+    from gpusched import session
+
+    return session
 
 
 def matrix_command(namespace: argparse.Namespace, settings: dict, pytest_args: list[str]) -> int:
@@ -211,15 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if namespace.command == "run":
             check_paths(namespace.paths)  # a typo is an error at once, not after the server starts
             early = start_early_server(namespace.paths, settings, STATE_DIR / "logs")
-        from gpusched import session
-
         if namespace.command == "plan":
-            return session.plan(namespace.paths, settings, pytest_args)
+            return session_for(settings).plan(namespace.paths, settings, pytest_args)
         if namespace.command == "shard":
             return shard_command(namespace, settings, pytest_args)
         if namespace.command == "matrix":
             return matrix_command(namespace, settings, pytest_args)
-        return session.run(namespace.paths, settings, pytest_args, early=early)
+        return session_for(settings).run(namespace.paths, settings, pytest_args, early=early)
     except (UsageError, ShardError) as exc:
         print(f"gpusched: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -125,11 +125,13 @@ def run(
     paths: Sequence[str],
     settings: dict[str, Any],
     pytest_args: Sequence[str],
-    reporter: ConsoleReporter,
+    reporter: ConsoleReporter | None = None,
     early: EarlyServer | None = None,
 ) -> int:
     """``gpusched run --ray``: collect here, run across the cluster, report here. The exit code."""
+    reporter = reporter or ConsoleReporter()
     check_settings(settings)
+    session.check_per_test_timeout(settings)
     run_id = early.spec.run_id if early is not None else new_run_id()
     try:
         prepared = _collect(paths, settings, pytest_args, reporter, early, run_id)
@@ -254,9 +256,10 @@ def plan(
     paths: Sequence[str],
     settings: dict[str, Any],
     pytest_args: Sequence[str],
-    reporter: ConsoleReporter,
+    reporter: ConsoleReporter | None = None,
 ) -> int:
     """``gpusched plan --ray``: the predicted schedule across the cluster's nodes; runs nothing."""
+    reporter = reporter or ConsoleReporter()
     check_settings(settings)
     local = {**settings, "simulate_gpus": "0", "gpus": None}
     prepared = session.prepare_plan(paths, local, pytest_args, reporter)

@@ -273,6 +273,15 @@ def fork_server(
         startup.server.close()
 
 
+def check_per_test_timeout(settings: dict[str, Any]) -> None:
+    """``--per-test-timeout`` needs pytest-timeout in every child: UsageError if it is missing."""
+    if settings.get("per_test_timeout"):
+        import importlib.util
+
+        if importlib.util.find_spec("pytest_timeout") is None:
+            raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
+
+
 def run(
     paths: Sequence[str],
     settings: dict[str, Any],
@@ -285,15 +294,7 @@ def run(
     ``early``: the fork server the command line started (``start_early_server``).
     """
     reporter = reporter or ConsoleReporter()
-    if settings.get("per_test_timeout"):
-        import importlib.util
-
-        if importlib.util.find_spec("pytest_timeout") is None:
-            raise UsageError("--per-test-timeout needs pytest-timeout (pip install pytest-timeout)")
-    if settings.get("ray"):  # across a Ray cluster: the only path that imports Ray
-        from gpusched import cluster_session
-
-        return cluster_session.run(paths, settings, pytest_args, reporter, early)
+    check_per_test_timeout(settings)
     run_id = early.spec.run_id if early is not None else new_run_id()
     try:
         with fork_server(paths, settings, run_id, reporter, early) as server:
@@ -643,10 +644,6 @@ def plan(
 ) -> int:
     """``gpusched plan``: requirements and the predicted schedule; runs nothing."""
     reporter = reporter or ConsoleReporter()
-    if settings.get("ray"):
-        from gpusched import cluster_session
-
-        return cluster_session.plan(paths, settings, pytest_args, reporter)
     prepared = prepare_plan(paths, settings, pytest_args, reporter)
     if isinstance(prepared, int):
         return prepared
