@@ -19,7 +19,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import psutil
@@ -57,13 +57,19 @@ def processes_with(variable: str, value: str) -> list[psutil.Process]:
     Processes of other users cannot be read and are skipped: a job only ever
     starts processes as the user running gpusched.
     """
+    return processes_where(variable, lambda found: found == value)
+
+
+def processes_where(variable: str, accept: Callable[[str], bool]) -> list[psutil.Process]:
+    """Live processes (other than this one) with ``variable`` set to a value ``accept`` takes."""
     found = []
     me = os.getpid()
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
         try:
-            if proc.environ().get(variable) == value and _alive(proc):
+            value = proc.environ().get(variable)
+            if value is not None and accept(value) and _alive(proc):
                 found.append(proc)
         except psutil.Error:
             continue

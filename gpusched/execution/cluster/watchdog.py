@@ -22,25 +22,14 @@ import time
 
 import psutil
 
-from gpusched.execution.proctree import TAG_VARIABLE
+from gpusched.execution.proctree import TAG_VARIABLE, processes_where
 
 GRACE = 3.0
 
 
 def run_processes(prefix: str) -> list[psutil.Process]:
     """Live processes whose job tag starts with ``prefix`` or is the fork server's ``fs-prefix``."""
-    found = []
-    me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
-        try:
-            tag = proc.environ().get(TAG_VARIABLE, "")
-            if tag.startswith((prefix, f"fs-{prefix}")) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
+    return processes_where(TAG_VARIABLE, lambda tag: tag.startswith((prefix, f"fs-{prefix}")))
 
 
 def sweep(prefix: str, grace: float = GRACE) -> int:
