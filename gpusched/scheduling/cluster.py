@@ -19,7 +19,6 @@ Nothing here imports Ray or starts a process.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from gpusched.scheduling.packing import (
     able_cards,
     largest_fitting,
 )
+from gpusched.scheduling.simulate import replay
 
 
 @dataclass(frozen=True)
@@ -321,22 +321,6 @@ def simulate_cluster(
     """
     policy = ClusterPolicy(nodes)
     policy.submit(jobs)
-    now = 0.0
-    runs: list[PlacedRun] = []
-    skipped: list[tuple[Job, str]] = []
-    finishing: list[tuple[float, int]] = []
-    while True:
-        for decision in policy.schedule():
-            if isinstance(decision, Placement):
-                end = now + decision.job.expected
-                runs.append(PlacedRun(decision.node, decision.job, decision.cards, now, end))
-                heapq.heappush(finishing, (end, decision.job.id))
-            else:
-                skipped.append((decision.job, decision.reason))
-        if not finishing:
-            break
-        now, job_id = heapq.heappop(finishing)
-        policy.complete(job_id)
-        while finishing and finishing[0][0] == now:
-            policy.complete(heapq.heappop(finishing)[1])
+    started, skipped = replay(policy)
+    runs = [PlacedRun(d.node, d.job, d.cards, start, end) for d, start, end in started]
     return runs, skipped

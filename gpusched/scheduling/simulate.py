@@ -5,9 +5,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpusched.inventory import Card
-from gpusched.scheduling.packing import Assignment, Job, Packer
+from gpusched.scheduling.packing import Job, Packer, Unschedulable
 
 
 @dataclass(frozen=True)
@@ -29,22 +30,31 @@ def simulate(
     """
     packer = Packer(cards, cpu_slots)
     packer.submit(jobs)
+    started, skipped = replay(packer)
+    return [PlannedRun(d.job, d.cards, start, end) for d, start, end in started], skipped
+
+
+def replay(policy: Any) -> tuple[list[tuple[Any, float, float]], list[tuple[Job, str]]]:
+    """Run ``policy`` (its jobs already submitted) on a virtual clock where every job takes
+    exactly its expected time: each decision that started a job with its start and end,
+    and the jobs it skipped with their reasons. Any policy with ``schedule`` and
+    ``complete`` whose decisions carry ``job`` (the one node's, the cluster's)."""
     now = 0.0
-    runs: list[PlannedRun] = []
+    started: list[tuple[Any, float, float]] = []
     skipped: list[tuple[Job, str]] = []
     finishing: list[tuple[float, int]] = []
     while True:
-        for decision in packer.schedule():
-            if isinstance(decision, Assignment):
-                end = now + decision.job.expected
-                runs.append(PlannedRun(decision.job, decision.cards, now, end))
-                heapq.heappush(finishing, (end, decision.job.id))
-            else:
+        for decision in policy.schedule():
+            if isinstance(decision, Unschedulable):
                 skipped.append((decision.job, decision.reason))
+                continue
+            end = now + decision.job.expected
+            started.append((decision, now, end))
+            heapq.heappush(finishing, (end, decision.job.id))
         if not finishing:
             break
         now, job_id = heapq.heappop(finishing)
-        packer.complete(job_id)
+        policy.complete(job_id)
         while finishing and finishing[0][0] == now:
-            packer.complete(heapq.heappop(finishing)[1])
-    return runs, skipped
+            policy.complete(heapq.heappop(finishing)[1])
+    return started, skipped
