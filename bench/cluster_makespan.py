@@ -43,21 +43,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+from sched_makespan import SyntheticFile, write_suite  # bench/ is the script's sys.path[0]
 
 NODES = 3
 CARDS = 4
 SLOTS = 2  # CPU slots per node (Ray CPUs of each raylet; a sleeping file uses no core)
 MIX = {0: 0.25, 1: 0.35, 2: 0.25, 4: 0.15}  # share of files needing that many cards
 ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-
-
-@dataclass(frozen=True)
-class SyntheticFile:
-    name: str
-    gpus: int
-    seconds: float
 
 
 def make_suite(count: int, low: float, high: float, seed: int) -> list[SyntheticFile]:
@@ -67,16 +61,6 @@ def make_suite(count: int, low: float, high: float, seed: int) -> list[Synthetic
         SyntheticFile(f"test_s{i:02d}.py", gpus, round(rng.uniform(low, high), 1))
         for i, gpus in enumerate(sizes)
     ]
-
-
-def write_suite(root: Path, files: list[SyntheticFile]) -> None:
-    for file in files:
-        marker = f"@pytest.mark.gpu({file.gpus})\n" if file.gpus else ""
-        (root / file.name).write_text(
-            f"import time\n\nimport pytest\n\n{marker}def test_work():\n"
-            f"    time.sleep({file.seconds})\n",
-            encoding="utf-8",
-        )
 
 
 def lower_bound(files: list[SyntheticFile], extra: float) -> float:
