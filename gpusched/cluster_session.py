@@ -32,6 +32,7 @@ from gpusched.execution.cluster.driver import (
     policy_nodes,
     start_agents,
 )
+from gpusched.execution.cluster.reach import parse_address
 from gpusched.execution.forkclient import EarlyServer, new_run_id
 from gpusched.history import HISTORY_FILE, observations, record_durations
 from gpusched.inventory import Card
@@ -46,7 +47,14 @@ RAY_LOG = "ray.log"  # under .gpusched/logs: what Ray itself printed on the driv
 
 
 def check_settings(settings: dict[str, Any]) -> None:
-    """Options that pick this machine's cards mean nothing across a cluster: refuse them."""
+    """Refuse, before collection, options that mean nothing across a cluster and a malformed
+    ``--ray`` address (a web address, a port without a host): each a usage error."""
+    address = settings["ray"]
+    if address != "auto" and not address.startswith("ray://"):
+        try:
+            parse_address(address)
+        except ValueError as exc:
+            raise UsageError(f"--ray {address}: {exc}") from None
     for name, flag in (("gpus", "--gpus"), ("simulate_gpus", "--simulate-gpus")):
         if settings.get(name):
             raise UsageError(

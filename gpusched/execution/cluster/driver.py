@@ -27,7 +27,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpusched.atomic import atomic_write
-from gpusched.execution.cluster import versions
+from gpusched.execution.cluster import reach, versions
 from gpusched.execution.cluster.agent import (
     AgentConfig,
     AgentDone,
@@ -47,6 +46,7 @@ from gpusched.execution.cluster.agent import (
     Note,
     Placed,
 )
+from gpusched.execution.cluster.reach import ClusterError
 from gpusched.execution.runner import log_name
 from gpusched.results import FAILING, FileResult, Outcome, TestResult
 from gpusched.scheduling.cluster import ClusterPolicy, Node, Placement
@@ -57,10 +57,6 @@ DEFAULT_EXCLUDES = (".git", ".gpusched", "__pycache__", "*.pyc", ".venv", ".tox"
 AGENT_START_TIMEOUT = 120.0  # seconds for every agent to be placed and to answer
 SILENCE = 60.0  # seconds without an answer to a poll before an agent's node counts as lost
 STOP_BOUND = 30.0  # seconds, after the kill grace, for agents to confirm their files are over
-
-
-class ClusterError(Exception):
-    """The run cannot use this cluster; the message names the address or the node, and why."""
 
 
 @dataclass(frozen=True)
@@ -91,16 +87,15 @@ class Agent:
     heard: float = field(default_factory=time.monotonic)
 
 
-def ray_address(address: str) -> str:
-    """``auto``: ``RAY_ADDRESS`` if set, else the cluster running on this machine."""
-    if address == "auto":
-        return os.environ.get("RAY_ADDRESS") or "auto"
-    return address
-
-
 def connect(address: str, code: CodeSpec | None) -> None:
-    """Join the cluster at ``address`` (``ray.init``), shipping ``code.root`` unless it is shared."""
+    """Join the cluster at ``address`` (``ray.init``), shipping ``code.root`` unless it is shared.
+
+    ``reach.prepare`` checks the address first and sets this process's token
+    mode from what the cluster wants, so a wrong address or a missing token is
+    one line (ClusterError), without Ray's minutes of retries and log lines.
+    """
     import ray
+    from ray.exceptions import AuthenticationError
 
     runtime_env = None
     if code is not None and code.shared is None:
@@ -108,10 +103,7 @@ def connect(address: str, code: CodeSpec | None) -> None:
             "working_dir": str(code.root),
             "excludes": [*DEFAULT_EXCLUDES, *code.excludes],
         }
-    target = ray_address(address)
-    problem = unreachable(target)
-    if problem:
-        raise ClusterError(f"--ray {address}: {problem}")
+    target = reach.prepare(address)
     try:
         ray.init(
             address=target,
@@ -121,27 +113,12 @@ def connect(address: str, code: CodeSpec | None) -> None:
         )
     except ConnectionError as exc:
         raise ClusterError(f"--ray {address}: no Ray cluster there ({exc})") from None
+    except AuthenticationError as exc:
+        raise ClusterError(f"--ray {address}: {_first_line(exc)}") from None
     except ValueError as exc:  # a working_dir Ray refuses (too large, unreadable)
         raise ClusterError(
             f"--ray {address}: cannot ship {code.root if code else ''}: {exc}"
         ) from None
-
-
-def unreachable(address: str, timeout: float = 5.0) -> str | None:
-    """Why nothing answers at ``HOST:PORT``, or None (also for ``auto`` and ``ray://``: Ray checks).
-
-    Ray itself keeps retrying an address where no cluster listens for minutes.
-    """
-    if address == "auto" or "://" in address:
-        return None
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return f"{address!r} is not HOST:PORT (or auto)"
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as exc:
-        return f"no Ray cluster answers at {address} ({exc.strerror or exc})"
-    return None
 
 
 def disconnect() -> None:
