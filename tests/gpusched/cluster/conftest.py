@@ -1,9 +1,12 @@
 """Real multi-node Ray clusters on this machine, for ``gpusched run --ray``.
 
-Each node is its own raylet (``ray.cluster_utils.Cluster``) and declares its
-own simulated cards with ``GPUSCHED_SIMULATE_GPUS`` in its environment, as a
-node of a real cluster would in the environment of its ``ray start``. Nodes
-have one CPU each: a CPU slot per node, and little load on a small machine.
+Each node is its own raylet and declares its own simulated cards with
+``GPUSCHED_SIMULATE_GPUS`` in its environment, as a node of a real cluster
+would in the environment of its ``ray start``. Nodes have one CPU each: a CPU
+slot per node, and little load on a small machine. Two ways to start them:
+``ray_cluster`` (``ray.cluster_utils.Cluster``, token authentication off: nodes
+are added and killed mid-test) and ``started_cluster`` (the ``ray start``
+commands users type, with token authentication on).
 """
 
 from __future__ import annotations
@@ -11,15 +14,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 from deadlines import hang_guard
+
+from gpusched.execution.proctree import processes_where
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # A removed node is noticed in about a second and a half, not the default fifteen.
@@ -137,12 +146,159 @@ def extra_node(cluster, env: Mapping[str, str]) -> Iterator:
             kill_processes(family)
 
 
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE"))}
+def clean_env(ray_env: Mapping[str, str] = RAY_ENV) -> dict[str, str]:
+    """This environment without gpusched's, CUDA's, Ray's address and token variables, plus
+    ``ray_env``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE", "RAY_AUTH_")) and k != "RAY_ADDRESS"
+    }
     env.pop("PYTEST_ADDOPTS", None)
-    env.pop("RAY_ADDRESS", None)
-    env.update(RAY_ENV)
+    env.update(ray_env)
     return env
+
+
+# ---------------------------------------------------------------- clusters as users start them
+
+MARK_VARIABLE = "GPUSCHED_TEST_CLUSTER"  # in every process a `ray start` below starts
+
+
+@dataclass
+class StartedCluster:
+    """A cluster started with the ``ray start`` command, as users start one.
+
+    ``home`` is the HOME of every process of it, so the token Ray generated is
+    in ``home/.ray/auth_token``: the driver finds it there as Ray's clients do
+    in ``~/.ray/auth_token``. Every process it started carries ``MARK_VARIABLE``
+    = ``home`` (``processes``).
+    """
+
+    address: str
+    home: Path
+    token: str | None
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a command run "on a machine of the cluster's user"."""
+        return {**clean_env({"RAY_USAGE_STATS_ENABLED": "0"}), "HOME": str(self.home), **extra}
+
+    def processes(self) -> list[psutil.Process]:
+        return processes_where(MARK_VARIABLE, lambda value: value == str(self.home))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _node_ports() -> list[str]:
+    """Ports of their own for each raylet's servers: several raylets share this machine."""
+    names = (
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+    )
+    return [item for name in names for item in (name, str(free_port()))]
+
+
+def _ray_start(args: Sequence[str], env: Mapping[str, str]) -> None:
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "start", *args],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=hang_guard(120),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def stop_processes(processes: Sequence[psutil.Process]) -> None:
+    """TERM, then KILL after a few seconds, these processes and what they started."""
+    family: dict[int, psutil.Process] = {}
+    for proc in processes:
+        try:
+            family.update({p.pid: p for p in (proc, *proc.children(recursive=True))})
+        except psutil.Error:
+            pass
+    for signal_name in ("terminate", "kill"):
+        for proc in family.values():
+            try:
+                getattr(proc, signal_name)()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(list(family.values()), timeout=5)
+        if not alive:
+            return
+
+
+@contextlib.contextmanager
+def started_cluster(nodes: Sequence[Mapping[str, str]], token: bool = True) -> Iterator:
+    """``ray start --head`` with the first of ``nodes`` (its extra environment), ``ray start
+    --address`` with each other; stopped (its processes killed) at the end.
+
+    With ``token``, as the docs say: ``ray get-auth-token --generate`` first, so
+    the head starts with token authentication (Ray's default when a token
+    exists) and the other nodes join with ``RAY_AUTH_MODE=token``. A short
+    directory of its own (Ray's socket paths must stay under 107 bytes) is
+    HOME and Ray's temp dir; nothing of it outlives the block.
+    """
+    home = Path(tempfile.mkdtemp(prefix="gsr", dir="/tmp"))
+    cluster = StartedCluster("", home, None)
+    base = {**cluster.env(), MARK_VARIABLE: str(home)}
+    if not token:
+        base["RAY_AUTH_MODE"] = "disabled"
+    port = free_port()
+    cluster.address = f"127.0.0.1:{port}"
+    try:
+        if token:
+            _ray_generate_token(base)
+            cluster.token = (home / ".ray" / "auth_token").read_text().strip()
+        _ray_start(
+            ["--head", "--port", str(port), "--num-cpus", "1", "--temp-dir", str(home / "h"),
+             "--include-dashboard", "false", "--ray-client-server-port", str(free_port()),
+             *_node_ports(), *_ray_args(nodes[0])],
+            {**base, **_node_env(nodes[0])},
+        )  # fmt: skip
+        for i, node in enumerate(nodes[1:]):
+            joining = {**base, **_node_env(node)}
+            if token:
+                joining["RAY_AUTH_MODE"] = "token"
+            _ray_start(
+                ["--address", cluster.address, "--num-cpus", "1", "--temp-dir",
+                 str(home / f"w{i}"), *_node_ports(), *_ray_args(node)],
+                joining,
+            )  # fmt: skip
+        yield cluster
+    finally:
+        stop_processes(cluster.processes())
+        left = cluster.processes()
+        shutil.rmtree(home, ignore_errors=True)
+        assert not left, [(p.pid, p.name()) for p in left]
+
+
+def _ray_generate_token(env: Mapping[str, str]) -> None:
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "get-auth-token", "--generate"],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=hang_guard(60),
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def _node_env(node: Mapping[str, str]) -> dict[str, str]:
+    """A node's environment variables (``GPUSCHED_SIMULATE_GPUS``...), without the ``ray start`` flags."""
+    return {k: v for k, v in node.items() if not k.startswith("--")}
+
+
+def _ray_args(node: Mapping[str, str]) -> list[str]:
+    """A node's own ``ray start`` flags (``{"--num-gpus": "2"}``)."""
+    return [item for k, v in node.items() if k.startswith("--") for item in (k, v)]
 
 
 def write_suite(root: Path, files: Mapping[str, str]) -> None:
@@ -189,24 +345,28 @@ def run_processes(run_id: str) -> list[psutil.Process]:
     return found
 
 
-def gpusched(root: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The real ``gpusched`` command in ``root``."""
+def gpusched(
+    root: Path, *args: str, timeout: float = 120, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The real ``gpusched`` command in ``root`` (in ``env``, by default ``clean_env()``)."""
     return subprocess.run(
         [sys.executable, "-m", "gpusched", *args],
         cwd=root,
-        env=clean_env(),
+        env=dict(env) if env is not None else clean_env(),
         capture_output=True,
         text=True,
         timeout=hang_guard(timeout),
     )
 
 
-def start_gpusched(root: Path, *args: str) -> subprocess.Popen:
+def start_gpusched(
+    root: Path, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
     out = open(root / "gpusched.out", "w")  # noqa: SIM115 - the process writes it; closed by GC
     return subprocess.Popen(
         [sys.executable, "-m", "gpusched", *args],
         cwd=root,
-        env=clean_env(),
+        env=dict(env) if env is not None else clean_env(),
         stdout=out,
         stderr=subprocess.STDOUT,
         text=True,
