@@ -40,6 +40,14 @@ PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 Rows = dict[int, dict[str, float]]
 
 
+def need_extra(tracker: str) -> None:
+    """Skip the test unless ``tracker``'s package is installed, naming the extra that installs it."""
+    pytest.importorskip(
+        PACKAGE[tracker],
+        reason=f"needs the {tracker} extra: pip install '{DISTRIBUTION}[{tracker}]'",
+    )
+
+
 def offline_env(home: Path) -> dict[str, str]:
     """W&B offline and quiet with every file of its own under ``home``; MLflow in the run dir."""
     return {
@@ -183,7 +191,7 @@ def _attempt(run_dir: Path, names: list[str], steps: range, resume_step: int, at
 
 @pytest.mark.parametrize("tracker", TRACKERS)
 def test_a_tracker_holds_every_step_of_metrics_jsonl(tracker, tmp_path, tracker_env):
-    pytest.importorskip(PACKAGE[tracker])
+    need_extra(tracker)
     run_dir = tmp_path / "run"
     _attempt(run_dir, [tracker], range(0, 5), resume_step=0, attempt=0)
     want = jsonl_rows(run_dir)
@@ -199,8 +207,8 @@ def test_a_resume_after_a_stop_between_checkpoints_logs_each_step_once(tmp_path,
     point), logging from step 6; W&B continues the same run id, each attempt in
     its own offline directory, in the order ``wandb sync`` uploads them.
     """
-    for package in PACKAGE.values():
-        pytest.importorskip(package)
+    for tracker in PACKAGE:
+        need_extra(tracker)
     run_dir = tmp_path / "run"
     _attempt(run_dir, list(TRACKERS), range(1, 6), resume_step=0, attempt=0)
     first_ids = json.loads((run_dir / "trackers.json").read_text())
@@ -224,8 +232,8 @@ def test_a_resume_after_a_stop_between_checkpoints_logs_each_step_once(tmp_path,
 
 
 def test_a_fresh_run_in_a_used_directory_starts_new_tracker_runs(tmp_path, tracker_env):
-    for package in PACKAGE.values():
-        pytest.importorskip(package)
+    for tracker in PACKAGE:
+        need_extra(tracker)
     run_dir = tmp_path / "run"
     _attempt(run_dir, list(TRACKERS), range(1, 4), resume_step=0, attempt=0)
     old = json.loads((run_dir / "trackers.json").read_text())
@@ -252,6 +260,8 @@ def test_a_fresh_run_in_a_used_directory_starts_new_tracker_runs(tmp_path, track
 def test_a_tracker_whose_package_is_missing_is_a_config_error(
     tracker, absent, tracking_uri, monkeypatch
 ):
+    if absent != tracker:
+        need_extra(tracker)  # the tracker's own package present, only `absent` missing
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
     monkeypatch.setitem(sys.modules, absent, None)  # import (and find_spec) now fail
     with pytest.raises(ConfigError) as info:
@@ -263,18 +273,22 @@ def test_a_tracker_whose_package_is_missing_is_a_config_error(
 
 
 def test_a_remote_mlflow_store_does_not_need_the_sql_packages(monkeypatch):
-    pytest.importorskip("mlflow")
+    need_extra("mlflow")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     monkeypatch.setitem(sys.modules, "sqlalchemy", None)
     assert problem("mlflow") is None
 
 
-def test_unknown_trackers_and_contradictions_are_named():
+def test_unknown_trackers_are_named():
     with pytest.raises(ConfigError, match=r"unknown tracker 'console': choose from tensorboard, "):
         load_config(["trainer.loggers=[console]"])
+    assert load_config([]).trainer.loggers == []
+
+
+def test_tensorboard_named_and_switched_off_is_a_contradiction():
+    need_extra("tensorboard")  # without it, the missing package is the error reported first
     with pytest.raises(ConfigError, match=r"trainer.loggers .* trainer.tensorboard=false"):
         load_config(["trainer.loggers=[tensorboard]", "trainer.tensorboard=false"])
-    assert load_config([]).trainer.loggers == []
 
 
 def test_tensorboard_is_added_when_installed_unless_switched_off(monkeypatch):
@@ -319,8 +333,8 @@ def test_the_cli_refuses_a_missing_tracker_before_ray_starts(tmp_path):
 def test_a_resumed_cli_run_logs_every_step_once_to_every_tracker(trainer_cli, tmp_path):
     """3 steps with a step-3 checkpoint, then ``trainer.resume=auto`` to step 6: each
     tracker holds steps 1-6 once, equal to metrics.jsonl, W&B and MLflow in one run each."""
-    for package in PACKAGE.values():
-        pytest.importorskip(package)
+    for tracker in PACKAGE:
+        need_extra(tracker)
     run_dir = tmp_path / "run"
     env = offline_env(tmp_path / "wandb-home")
 
