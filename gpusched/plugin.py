@@ -4,7 +4,11 @@ Loaded by plain ``pytest`` through the ``pytest11`` entry point, so markers and
 skips work without gpusched. Under ``gpusched`` it also writes the collection
 report (``--gpusched-report``) and streams each test's outcome as it finishes
 (``--gpusched-results``), so a child that is killed or crashes keeps the
-outcomes of the tests it finished. With ``--gpusched-cache`` the collection
+outcomes of the tests it finished. With each outcome go the testcase(s) pytest's
+own ``--junitxml`` would write for the test, under this child's ``junit_*`` ini
+settings (``gpusched.reporting.junit``), and each failed phase's traceback and
+report sections as pytest's terminal shows them: the parent's merged JUnit and
+console say what plain pytest says. With ``--gpusched-cache`` the collection
 skips files whose key is unchanged, and with ``--gpusched-expect`` a child checks
 such a cached prediction against its own collection (``gpusched.collection.cache``).
 With ``--gpusched-stream`` the collection also streams each file's entry as soon
@@ -16,9 +20,11 @@ All plugin state lives in ``config.stash``.
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +43,14 @@ from gpusched.collection.cache import (
 )
 from gpusched.execution.warmstart import wait_at_gate
 from gpusched.inventory import visible_gpu_count
+from gpusched.reporting.junit import (
+    JUNIT_LOGGING,
+    JunitCases,
+    Phase,
+    collect_error_case,
+    junit_names,
+    shown_sections,
+)
 from gpusched.requirements import (
     SHORTHAND_MARKERS,
     Requirement,
@@ -44,7 +58,14 @@ from gpusched.requirements import (
     requirement_from_glob_value,
     requirement_from_marker,
 )
-from gpusched.results import DEFERRED, EXIT_RECOLLECTED, parse_expectation, tests_hash
+from gpusched.results import (
+    DEFERRED,
+    EXIT_RECOLLECTED,
+    JunitCase,
+    PhaseReport,
+    parse_expectation,
+    tests_hash,
+)
 
 MARKER_HELP = {
     "gpu": "gpu(n, memory=None): the test needs n GPUs, each with at least `memory` "
@@ -56,6 +77,62 @@ GPU_MARKERS = frozenset(MARKER_HELP)
 # in, and its file must still report exactly what plain pytest reports.
 _encode = json.JSONEncoder().encode
 _replace = os.replace
+TEXT_LIMIT = 200_000  # characters of a traceback streamed back (its end); pytest writes all
+SECTION_LIMIT = 64_000  # characters of one report section streamed back (its end)
+
+
+@dataclass(frozen=True)
+class _Junit:
+    """The child's JUnit settings, read once: what pytest's own ``--junitxml`` would use here."""
+
+    logging: str = "no"  # junit_logging
+    log_passing_tests: bool = True  # junit_log_passing_tests
+    duration_report: str = "total"  # junit_duration_report
+    prefix: str | None = None  # --junitprefix
+    showcapture: str = "all"  # --show-capture: the sections the console shows
+    mangle: Callable[[str], list[str]] | None = None  # pytest's mangle_test_address
+    shorten: Callable[[str], str] | None = None  # pytest's shorten_message (pytest >= 9)
+
+    @classmethod
+    def of(cls, config: pytest.Config) -> _Junit:
+        def ini(name: str, default: Any) -> Any:
+            try:
+                return config.getini(name)
+            except ValueError:  # ``-p no:junitxml``: pytest's defaults
+                return default
+
+        try:
+            from _pytest import junitxml
+        except ImportError:
+            junitxml = None  # type: ignore[assignment]
+        logging = ini("junit_logging", "no")
+        return cls(
+            logging if logging in JUNIT_LOGGING else "no",
+            bool(ini("junit_log_passing_tests", True)),
+            ini("junit_duration_report", "total"),
+            getattr(config.option, "junitprefix", None),
+            getattr(config.option, "showcapture", "all") or "all",
+            getattr(junitxml, "mangle_test_address", None),
+            getattr(junitxml, "shorten_message", None),
+        )
+
+    def names(self, nodeid: str) -> tuple[str, str]:
+        """``(classname, name)`` from the child's own pytest, else gpusched's copy of its rule."""
+        if self.mangle is not None:
+            try:
+                names = list(self.mangle(nodeid))
+            except Exception:  # noqa: BLE001 - pytest's private API moved: use the copy
+                pass
+            else:
+                classnames = names[:-1]
+                if self.prefix:
+                    classnames.insert(0, self.prefix)
+                return ".".join(classnames), names[-1]
+        return junit_names(nodeid, self.prefix)
+
+    def cases(self) -> JunitCases:
+        shorten = self.shorten or (lambda message: message)
+        return JunitCases(self.logging, self.log_passing_tests, self.duration_report, shorten)
 
 
 @dataclass
@@ -70,6 +147,7 @@ class _State:
     visible: int | None = None
     results: IO[str] | None = None
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    junit: _Junit = field(default_factory=_Junit)
     base: str | None = None  # the collection cache's base key; None: cache off
     cache: dict[str, CachedFile] = field(default_factory=dict)  # by path relative to rootdir
     keys: dict[str, str] = field(default_factory=dict)  # absolute path -> key, this session
@@ -152,6 +230,7 @@ def pytest_configure(config: pytest.Config) -> None:
     results = config.getoption("gpusched_results", None)
     if results:
         state.results = open(results, "a", encoding="utf-8")  # noqa: SIM115 - closed at unconfigure
+        state.junit = _Junit.of(config)
     stream = config.getoption("gpusched_stream", None)
     if stream:
         state.stream = open(stream, "a", encoding="utf-8")  # noqa: SIM115 - closed at unconfigure
@@ -341,7 +420,14 @@ class _SessionHooks:
         if report.failed:
             error = {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr)}
             self.state.errors.append(error)
-            _emit(self.state, {"event": "collecterror", **error})
+            if self.state.results is not None:
+                classname, name = self.state.junit.names(report.nodeid)
+                case = collect_error_case(_tail(error["message"], TEXT_LIMIT)).to_json()
+                _emit(
+                    self.state,
+                    {"event": "collecterror", **error, "classname": classname, "name": name,
+                     "cases": [case]},
+                )  # fmt: skip
         elif report.skipped and isinstance(report.longrepr, tuple):
             skip = {"nodeid": report.nodeid, "path": path, "message": str(report.longrepr[2])}
             self.state.skipped.append(skip)
@@ -449,27 +535,53 @@ class _SessionHooks:
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Fold setup/call/teardown into one outcome per test and stream it at teardown."""
-        if self.state.results is None:
+        """Fold setup/call/teardown into one outcome per test and stream it at teardown.
+
+        With it go what pytest's own ``--junitxml`` would write for the test
+        (``gpusched.reporting.junit``) and each failed phase's traceback and report
+        sections as pytest's terminal shows them. ``trylast``: sections that other
+        plugins add to the report in their hooks are there by now.
+        """
+        state = self.state
+        if state.results is None:
             return
-        phase = self.state.phases.setdefault(
-            report.nodeid, {"outcome": None, "duration": 0.0, "message": ""}
-        )
+        phase = state.phases.get(report.nodeid)
+        if phase is None:
+            phase = state.phases[report.nodeid] = {
+                "outcome": None, "duration": 0.0, "message": "", "cases": state.junit.cases(),
+                "reports": [],
+            }  # fmt: skip
         phase["duration"] += report.duration
         outcome = _phase_outcome(report)
         if outcome is not None and _RANK[outcome] > _RANK.get(phase["outcome"], -1):
             phase["outcome"] = outcome
             phase["message"] = _message(report)
+        phase["cases"].add(_junit_phase(report, state.junit.logging != "no"))
+        if report.failed:
+            sections = shown_sections(report.sections, state.junit.showcapture)
+            phase["reports"].append(
+                PhaseReport(
+                    report.when,
+                    _tail(_terminal_text(report), TEXT_LIMIT),
+                    [(name, _tail(content, SECTION_LIMIT)) for name, content in sections],
+                )
+            )
         if report.when == "teardown":
-            del self.state.phases[report.nodeid]
+            del state.phases[report.nodeid]
+            classname, name = state.junit.names(report.nodeid)
+            cases: list[JunitCase] = phase["cases"].cases
             _emit(
-                self.state,
+                state,
                 {
                     "event": "result",
                     "nodeid": report.nodeid,
                     "outcome": phase["outcome"] or "passed",
                     "duration": round(phase["duration"], 6),
                     "message": phase["message"],
+                    "classname": classname,
+                    "name": name,
+                    "cases": [case.to_json() for case in cases],
+                    "reports": [r.to_json() for r in phase["reports"]],
                 },
             )
 
@@ -559,27 +671,84 @@ def _write_report(config: pytest.Config, state: _State, path: Path) -> None:
     _replace(tmp, path)
 
 
-_RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+_RANK = {"passed": 0, "xpassed": 1, "skipped": 2, "xfailed": 2, "failed": 3, "error": 4}
 
 
 def _phase_outcome(report: pytest.TestReport) -> str | None:
+    """One phase's outcome as a test outcome; None for a setup or teardown that passed.
+
+    An xfail-marked test that fails is ``xfailed``, one that passes is ``xpassed``
+    (a strict one fails: pytest reports it ``failed``, without ``wasxfail``).
+    """
+    xfail = hasattr(report, "wasxfail")
     if report.when == "call":
         if report.skipped:
-            return "skipped"  # skipped or xfailed
-        return "failed" if report.failed else "passed"
+            return "xfailed" if xfail else "skipped"
+        if report.failed:
+            return "failed"
+        return "xpassed" if xfail else "passed"
     if report.failed:
         return "error"
     if report.skipped:
-        return "skipped"
+        return "xfailed" if xfail else "skipped"
     return None
 
 
 def _message(report: pytest.TestReport) -> str:
+    if hasattr(report, "wasxfail") and not report.failed:
+        return str(report.wasxfail)
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2])
     if report.failed:
         return report.longreprtext[-4000:]
     return ""
+
+
+def _junit_phase(report: pytest.TestReport, output: bool) -> Phase:
+    """The parts of a phase report that pytest's junitxml reads (``gpusched.reporting.junit``);
+    its captured output only if ``output`` (``junit_logging`` is not ``no``)."""
+    longrepr = report.longrepr
+    properties = [(str(name), str(value)) for name, value in report.user_properties]
+    if report.passed and not output:  # the common case, kept cheap
+        wasxfail = getattr(report, "wasxfail", None)
+        return Phase(report.when, "passed", report.duration, wasxfail, properties=properties)
+    crash = getattr(longrepr, "reprcrash", None)
+    skip = longrepr if report.skipped and isinstance(longrepr, tuple) else None
+    return Phase(
+        report.when,
+        report.outcome,
+        report.duration,
+        getattr(report, "wasxfail", None),
+        None if crash is None else str(crash.message),
+        _tail(str(longrepr), TEXT_LIMIT) if report.failed else "",
+        None if skip is None else (str(skip[0]), skip[1], str(skip[2])),
+        report.capstdout if output else "",
+        report.capstderr if output else "",
+        report.caplog if output else "",
+        [(str(name), _tail(str(content), SECTION_LIMIT)) for name, content in report.sections]
+        if report.failed
+        else [],
+        properties,
+    )
+
+
+def _terminal_text(report: pytest.TestReport) -> str:
+    """The failure as pytest's terminal prints it, without colours (``longreprtext`` but
+    for its first line's indentation, which ``longreprtext`` strips)."""
+    try:
+        from _pytest._io import TerminalWriter
+    except ImportError:  # pytest's private API moved
+        return report.longreprtext
+    out = io.StringIO()
+    writer = TerminalWriter(out)
+    writer.hasmarkup = False
+    report.toterminal(writer)
+    return out.getvalue().rstrip()
+
+
+def _tail(text: str, limit: int) -> str:
+    """The last ``limit`` characters of ``text``: the end of a traceback or a log says most."""
+    return text if len(text) <= limit else text[-limit:]
 
 
 def _emit(state: _State, record: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from gpusched.requirements import Requirement
 
@@ -30,13 +31,81 @@ FAILING = frozenset({Outcome.FAILED, Outcome.ERROR, Outcome.TIMEOUT, Outcome.CRA
 
 
 @dataclass
+class JunitElement:
+    """One child of a ``<testcase>``: ``failure``, ``error``, ``skipped``, ``system-out`` or
+    ``system-err``, with its attributes and text as pytest's junitxml writes them."""
+
+    tag: str
+    attrs: dict[str, str] = field(default_factory=dict)
+    text: str | None = None
+
+
+@dataclass
+class JunitCase:
+    """One ``<testcase>`` that pytest's junitxml writes for a test: usually one per test,
+    two when the call failed and the teardown errored too. Built in the child
+    (``gpusched.reporting.junit.JunitCases``), written by the parent as they are."""
+
+    time: float = 0.0
+    elements: list[JunitElement] = field(default_factory=list)
+    properties: list[tuple[str, str]] = field(default_factory=list)  # record_property
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "elements": [{"tag": e.tag, "attrs": e.attrs, "text": e.text} for e in self.elements],
+            "properties": self.properties,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JunitCase:
+        return cls(
+            float(data.get("time", 0.0)),
+            [
+                JunitElement(e["tag"], dict(e.get("attrs", {})), e.get("text"))
+                for e in data["elements"]
+            ],
+            [(str(name), str(value)) for name, value in data.get("properties", [])],
+        )
+
+
+@dataclass
+class PhaseReport:
+    """A failed phase (setup, call or teardown) of a test, as pytest's terminal shows it:
+    the traceback, then the report sections (captured output, and sections plugins added)."""
+
+    when: str
+    text: str
+    sections: list[tuple[str, str]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"when": self.when, "text": self.text, "sections": self.sections}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PhaseReport:
+        return cls(
+            data["when"], data["text"], [(str(n), str(c)) for n, c in data.get("sections", [])]
+        )
+
+
+@dataclass
 class TestResult:
-    """One test's outcome: passed, failed, error, skipped, timeout, crashed or not run."""
+    """One test's outcome: passed, xpassed, failed, error, skipped, xfailed, timeout, crashed
+    or not run.
+
+    ``classname``/``name``/``cases`` are what pytest's own ``--junitxml`` writes for
+    the test (empty for outcomes gpusched makes up: timeouts, crashes, not run);
+    ``reports`` are its failed phases, for the console.
+    """
 
     nodeid: str
     outcome: str
     duration: float = 0.0
     message: str = ""
+    classname: str = ""
+    name: str = ""
+    cases: list[JunitCase] = field(default_factory=list)
+    reports: list[PhaseReport] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +137,8 @@ class FileResult:
 
     def to_json(self) -> dict:
         data = asdict(self)
+        for test in data["tests"]:
+            del test["cases"]  # the JUnit report's copy of ``reports``
         data["outcome"] = str(self.outcome)
         data["duration"] = round(self.duration, 3)
         return data
@@ -90,16 +161,28 @@ def read_events(lines: Iterable[str]) -> tuple[list[TestResult], str | None, int
         if kind == "start":
             running = event["nodeid"]
         elif kind == "result":
-            finished[event["nodeid"]] = TestResult(
-                event["nodeid"], event["outcome"], event["duration"], event["message"]
-            )
+            finished[event["nodeid"]] = _test_result(event, event["outcome"], event["duration"])
             if running == event["nodeid"]:
                 running = None
         elif kind == "collecterror":  # the child's own collection of its file failed
-            finished[event["nodeid"]] = TestResult(event["nodeid"], "error", 0.0, event["message"])
+            finished[event["nodeid"]] = _test_result(event, "error", 0.0)
         elif kind == "finish":
             exitstatus = event["exitstatus"]
     return list(finished.values()), running, exitstatus
+
+
+def _test_result(event: dict[str, Any], outcome: str, duration: float) -> TestResult:
+    """A streamed record as a TestResult; the JUnit and console fields are optional."""
+    return TestResult(
+        event["nodeid"],
+        outcome,
+        duration,
+        event["message"],
+        event.get("classname", ""),
+        event.get("name", ""),
+        [JunitCase.from_json(case) for case in event.get("cases", [])],
+        [PhaseReport.from_json(report) for report in event.get("reports", [])],
+    )
 
 
 EXIT_RECOLLECTED = 71  # a child whose file needs other cards than the cache said
@@ -204,7 +287,10 @@ def judge(
             result.outcome = Outcome.ERROR
             result.message = f"pytest exited with code {exitstatus}"
             if not tests:
-                result.tests.append(TestResult(path, "error", 0.0, result.message))
+                error = JunitElement("error", {"message": result.message}, result.message)
+                result.tests.append(
+                    TestResult(path, "error", 0.0, result.message, cases=[JunitCase(0.0, [error])])
+                )
         return result
     if running:
         result.tests.append(TestResult(running, blame, 0.0, result.message))

@@ -65,6 +65,7 @@ from gpusched.reporting.report import (
     ConsoleReporter,
     display_path,
     failing,
+    failure_lines,
     format_cards,
     json_report,
     junit_xml,
@@ -72,7 +73,7 @@ from gpusched.reporting.report import (
     summary_lines,
 )
 from gpusched.requirements import Requirement, format_memory
-from gpusched.results import FileResult, Recollected, expectation
+from gpusched.results import FileResult, Outcome, Recollected, expectation
 from gpusched.scheduling import Job, largest_fitting, simulate
 from gpusched.scheduling.earlystart import early_picks
 
@@ -574,6 +575,19 @@ def live_reporter(
     )
 
 
+def failing_file_lines(result: FileResult) -> list[str]:
+    """What the console shows of a failing file: its failed tests as pytest's terminal shows
+    them, with every report section (``failure_lines``), then the end of the file's log
+    where the tests alone cannot explain the outcome (a timeout, a crash, an error of
+    pytest itself or of collection, a failure without a failed test)."""
+    lines = failure_lines(result)
+    if not lines or result.outcome != Outcome.FAILED:
+        lines += log_tail(result)
+    if not lines:
+        return []
+    return [f"{'_' * 20} {display_path(result.path)} ({result.outcome.value}) {'_' * 20}", *lines]
+
+
 def finish(
     results: list[FileResult],
     interrupted: bool,
@@ -585,13 +599,8 @@ def finish(
     reports, the summary lines; the exit code."""
     code = exit_code(results, interrupted)
     for result in failing(results):
-        tail = log_tail(result)
-        if tail:
-            reporter.say(
-                f"{'_' * 20} {display_path(result.path)} ({result.outcome.value}) {'_' * 20}"
-            )
-            for line in tail:
-                reporter.say(line)
+        for line in failing_file_lines(result):
+            reporter.say(line)
     if settings.get("junitxml"):
         atomic_write(settings["junitxml"], junit_xml(results))
     if settings.get("json"):

@@ -14,10 +14,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from gpusched.results import FAILING, FileResult, Outcome
+from gpusched.reporting.junit import fallback_case, junit_names, xml_safe
+from gpusched.results import FAILING, FileResult, JunitCase, Outcome, TestResult
 from gpusched.scheduling import Job
 
+# Test outcomes by the bucket of the last line they count in, as pytest's JUnit counts them:
+# an xfailed test is skipped, an xpassed one passed (a strict xpass is reported failed).
+PASSED_KINDS = ("passed", "xpassed")
 FAIL_KINDS = ("failed", "error", "timeout", "crashed")
+SKIPPED_KINDS = ("skipped", "xfailed")
+BREAKDOWN = (*PASSED_KINDS, *FAIL_KINDS, *SKIPPED_KINDS, "not run")
 
 
 def display_path(path: str) -> str:
@@ -39,8 +45,7 @@ def format_place(cards: Sequence[str], node: str = "") -> str:
 
 def format_counts(result: FileResult) -> str:
     counts = result.counts()
-    order = ("passed", "failed", "error", "timeout", "crashed", "skipped", "not run")
-    return ", ".join(f"{counts[kind]} {kind}" for kind in order if counts.get(kind))
+    return ", ".join(f"{counts[kind]} {kind}" for kind in BREAKDOWN if counts.get(kind))
 
 
 def file_line(result: FileResult) -> str:
@@ -65,6 +70,7 @@ def heartbeat_line(running: Sequence[tuple[Job, float]]) -> str:
 
 
 def totals(results: Iterable[FileResult]) -> dict[str, int]:
+    """Tests by outcome over all files."""
     tally: dict[str, int] = {}
     for result in results:
         for kind, count in result.counts().items():
@@ -72,8 +78,41 @@ def totals(results: Iterable[FileResult]) -> dict[str, int]:
     return tally
 
 
+def buckets(tally: dict[str, int]) -> tuple[int, int, int]:
+    """``(passed, failed, skipped)`` of the last line from tests by outcome.
+
+    xpassed counts as passed and xfailed as skipped, as pytest's JUnit counts
+    them; failed counts failures, errors, timeouts and crashes; tests never run
+    count in none (the breakdown names them).
+    """
+    return (
+        sum(tally.get(kind, 0) for kind in PASSED_KINDS),
+        sum(tally.get(kind, 0) for kind in FAIL_KINDS),
+        sum(tally.get(kind, 0) for kind in SKIPPED_KINDS),
+    )
+
+
+def breakdown_line(tally: dict[str, int]) -> str | None:
+    """The line above the last: every outcome by name, or None where the last line says it all.
+
+    Shown when a test failed in any way, xfailed, xpassed or never ran, e.g.
+    ``gpusched: tests: 5 passed, 1 xpassed, 6 failed, 3 error, 2 skipped, 2 xfailed``.
+    The failure kinds are always all named, so a run's failures read the same every time.
+    """
+    failed = buckets(tally)[1]
+    if not (failed or any(tally.get(kind) for kind in ("xpassed", "xfailed", "not run"))):
+        return None
+    shown = [
+        f"{tally.get(kind, 0)} {kind}"
+        for kind in BREAKDOWN
+        if tally.get(kind) or (failed and kind in FAIL_KINDS)
+    ]
+    return "gpusched: tests: " + ", ".join(shown)
+
+
 def summary_lines(results: Sequence[FileResult], quarantined: Sequence[str] = ()) -> list[str]:
-    """The breakdown line(s) and, last, exactly ``gpusched: P passed, F failed, S skipped``."""
+    """Files by outcome, flaky files, quarantined cards, the breakdown of tests by outcome
+    (``breakdown_line``) and, last, exactly ``gpusched: P passed, F failed, S skipped``."""
     tally = totals(results)
     files: dict[str, int] = {}
     for result in results:
@@ -82,20 +121,16 @@ def summary_lines(results: Sequence[FileResult], quarantined: Sequence[str] = ()
         "gpusched: files: "
         + (", ".join(f"{count} {name.lower()}" for name, count in files.items()) or "none")
     ]
-    failed = sum(tally.get(kind, 0) for kind in FAIL_KINDS)
-    if failed or tally.get("not run"):
-        detail = [f"{tally.get(kind, 0)} {kind}" for kind in FAIL_KINDS]
-        if tally.get("not run"):
-            detail.append(f"{tally['not run']} not run")
-        lines.append("gpusched: failures: " + ", ".join(detail))
     flaky = [display_path(r.path) for r in results if r.outcome == Outcome.FLAKY]
     if flaky:
         lines.append("gpusched: flaky: " + ", ".join(flaky))
     if quarantined:
         lines.append("gpusched: quarantined cards: " + ", ".join(quarantined))
-    lines.append(
-        f"gpusched: {tally.get('passed', 0)} passed, {failed} failed, {tally.get('skipped', 0)} skipped"
-    )
+    breakdown = breakdown_line(tally)
+    if breakdown:
+        lines.append(breakdown)
+    passed, failed, skipped = buckets(tally)
+    lines.append(f"gpusched: {passed} passed, {failed} failed, {skipped} skipped")
     return lines
 
 
@@ -109,33 +144,73 @@ def log_tail(result: FileResult, lines: int = 40) -> list[str]:
     return text.splitlines()[-lines:]
 
 
-def _split_nodeid(nodeid: str) -> tuple[str, str]:
-    head, _, name = nodeid.rpartition("::")
-    if not head:
-        return nodeid.removesuffix(".py").replace("/", "."), nodeid
-    return head.replace(".py", "").replace("/", ".").replace("::", "."), name
+def _last_lines(text: str, limit: int) -> list[str]:
+    lines = text.rstrip("\n").splitlines()
+    if len(lines) <= limit:
+        return lines
+    return [f"... ({len(lines) - limit} lines above not shown)", *lines[-limit:]]
+
+
+def failure_lines(result: FileResult, text_lines: int = 200, section_lines: int = 100) -> list[str]:
+    """A failing file's failed tests as pytest's terminal shows them: per failed phase, a
+    header, the traceback, then each report section (captured output, and what plugins
+    add, such as per-rank logs) under its own header. Long ones keep their last lines."""
+    lines: list[str] = []
+    for test in result.tests:
+        for report in test.reports:
+            head = (
+                test.nodeid if report.when == "call" else f"ERROR at {report.when} of {test.nodeid}"
+            )
+            lines.append(f" {head} ".center(80, "_"))
+            lines += _last_lines(report.text, text_lines)
+            for name, content in report.sections:
+                lines.append(f" {name} ".center(80, "-"))
+                lines += _last_lines(content, section_lines)
+    return lines
+
+
+def _cases(test: TestResult) -> tuple[str, str, list[JunitCase]]:
+    """A test's classname, name and testcases: the child's, else made here from its outcome."""
+    if test.name:
+        return test.classname, test.name, test.cases or [JunitCase(test.duration)]
+    nodeid = display_path(test.nodeid) if os.path.isabs(test.nodeid) else test.nodeid
+    classname, name = junit_names(nodeid.replace(os.sep, "/"))
+    cases = test.cases or [fallback_case(nodeid, test.outcome, test.message, test.duration)]
+    return classname, name, cases
+
+
+def _add_case(suite: ET.Element, classname: str, name: str, case: JunitCase) -> None:
+    element = ET.SubElement(
+        suite, "testcase", classname=xml_safe(classname), name=xml_safe(name),
+        time=f"{case.time:.3f}",
+    )  # fmt: skip
+    if case.properties:
+        props = ET.SubElement(element, "properties")
+        for key, value in case.properties:
+            ET.SubElement(props, "property", name=xml_safe(key), value=xml_safe(value))
+    for child in case.elements:
+        sub = ET.SubElement(
+            element, child.tag, {key: xml_safe(value) for key, value in child.attrs.items()}
+        )
+        if child.text is not None:
+            sub.text = xml_safe(child.text)
 
 
 def junit_xml(results: Sequence[FileResult]) -> str:
-    """One testsuite per file, the cards and outcome as properties, timeouts and crashes as errors."""
+    """One testsuite per file, the cards and outcome as properties; each test's testcase(s)
+    as pytest's own ``--junitxml`` writes them (``gpusched.reporting.junit``), timeouts
+    and crashes as errors of type ``timeout``/``crashed``, tests never run as skipped.
+
+    A suite's counts are its elements: testcases, ``failure``, ``error`` and ``skipped``.
+    """
     root = ET.Element("testsuites", name="gpusched")
     grand = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     total_time = 0.0
     for result in results:
-        counts = result.counts()
-        numbers = {
-            "tests": len(result.tests),
-            "failures": counts.get("failed", 0),
-            "errors": sum(counts.get(k, 0) for k in ("error", "timeout", "crashed")),
-            "skipped": counts.get("skipped", 0) + counts.get("not run", 0),
-        }
         suite = ET.SubElement(
-            root,
-            "testsuite",
-            name=display_path(result.path),
+            root, "testsuite", name=xml_safe(display_path(result.path)),
             time=f"{result.duration:.3f}",
-            **{key: str(value) for key, value in numbers.items()},
-        )
+        )  # fmt: skip
         props = ET.SubElement(suite, "properties")
         for name, value in (
             ("cards", ",".join(result.cards)),
@@ -144,25 +219,20 @@ def junit_xml(results: Sequence[FileResult]) -> str:
             ("message", result.message),
             *((("node", result.node),) if result.node else ()),
         ):
-            ET.SubElement(props, "property", name=name, value=value)
+            ET.SubElement(props, "property", name=name, value=xml_safe(value))
         for test in result.tests:
-            classname, name = _split_nodeid(test.nodeid)
-            case = ET.SubElement(
-                suite, "testcase", classname=classname, name=name, time=f"{test.duration:.3f}"
-            )
-            first_line = (
-                test.message.strip().splitlines()[-1] if test.message.strip() else test.outcome
-            )
-            if test.outcome == "failed":
-                ET.SubElement(case, "failure", message=first_line[:500]).text = test.message
-            elif test.outcome in ("error", "timeout", "crashed"):
-                ET.SubElement(
-                    case, "error", message=f"{test.outcome}: {first_line[:500]}", type=test.outcome
-                ).text = test.message
-            elif test.outcome in ("skipped", "not run"):
-                ET.SubElement(case, "skipped", message=test.message or test.outcome)
-        for key in grand:
-            grand[key] += numbers[key]
+            classname, name, cases = _cases(test)
+            for case in cases:
+                _add_case(suite, classname, name, case)
+        numbers = {
+            "tests": len(suite.findall("testcase")),
+            "failures": len(suite.findall("testcase/failure")),
+            "errors": len(suite.findall("testcase/error")),
+            "skipped": len(suite.findall("testcase/skipped")),
+        }
+        for key, value in numbers.items():
+            suite.set(key, str(value))
+            grand[key] += value
         total_time += result.duration
     for key, value in grand.items():
         root.set(key, str(value))
@@ -175,15 +245,16 @@ def json_report(
     results: Sequence[FileResult], interrupted: bool, quarantined: Sequence[str], exit_code: int
 ) -> str:
     tally = totals(results)
+    passed, failed, skipped = buckets(tally)
     payload = {
         "version": 1,
         "exit_code": exit_code,
         "interrupted": interrupted,
         "quarantined": list(quarantined),
         "summary": {
-            "passed": tally.get("passed", 0),
-            "failed": sum(tally.get(kind, 0) for kind in FAIL_KINDS),
-            "skipped": tally.get("skipped", 0),
+            "passed": passed,
+            "failed": failed,
+            "skipped": skipped,
             "not_run": tally.get("not run", 0),
             "by_outcome": tally,
         },
