@@ -1,9 +1,8 @@
-"""Root conftest: apply the NCCL loopback guard before any test module imports Ray.
+"""Root conftest: this repository's tests use the e2e plugin as any RL repository would.
 
-It must run before Ray starts so that the raylet, and every worker it spawns,
-inherit the routing variables (see trainer/netguard.py).
+The plugin applies the NCCL loopback guard when pytest starts, before any test
+module imports Ray, and starts the e2e clusters with the trainer's production
+runtime env (``rl_e2e_runtime_env`` in ``pyproject.toml``).
 """
 
-from trainer.netguard import apply_loopback_guard
-
-apply_loopback_guard()
+pytest_plugins = ["rl_e2e.plugin"]

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from trainer.distributed import run_distributed  # noqa: E402
+from rl_e2e.distributed import run_distributed  # noqa: E402
 from trainer.models import TinySpec, ensure_tiny_model  # noqa: E402
 
 SPEC = TinySpec(

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from trainer.data import build_datasets
+    from trainer.launch.runtime_env import get_runtime_env
     from trainer.models import load_tokenizer, resolve_model_path
     from trainer.ppo import (
         PPOTrainer,
@@ -136,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         response_length,
         shutdown_worker_groups,
     )
-    from trainer.runtime_env import get_runtime_env
 
     t0 = time.perf_counter()
     ray.init(

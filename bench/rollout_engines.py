@@ -6,7 +6,7 @@ trainer's default tiny Llama (:class:`trainer.models.TinySpec`, 86K
 parameters) and a 22.5M-parameter one built the same way (hidden 512, MLP
 1408, 7 layers, 8 heads of dimension 64). Each engine and shape runs in its
 own spawned process, a gloo world of one
-(:func:`trainer.distributed.run_distributed`; the vLLM engine joins that
+(:func:`rl_e2e.distributed.run_distributed`; the vLLM engine joins that
 world), so start-up figures include fresh imports.
 
     python bench/rollout_engines.py                       # 32 prompts x 8 samples, 32 new tokens
@@ -158,7 +158,7 @@ def measure_engine(
 ) -> dict[str, Any]:
     """One engine on one shape, in a fresh process: start-up, then timed batches per sampling.
 
-    Run by :func:`trainer.distributed.run_distributed` (world of one, gloo),
+    Run by :func:`rl_e2e.distributed.run_distributed` (world of one, gloo),
     which the vLLM engine joins. Returns plain numbers for the table.
     """
     import torch
@@ -266,7 +266,7 @@ def _print_ratios(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from trainer.distributed import run_distributed
+    from rl_e2e.distributed import run_distributed
     from trainer.models import TinySpec, ensure_tiny_model
     from trainer.rollout.vllm import require_vllm
 

@@ -4,40 +4,58 @@ Used by tests (and benchmarks) that need real collectives without Ray: each rank
 is a fresh ``spawn`` process, so CUDA and gloo state never leak between runs.
 
 Failure handling is the point of this module. The caller always gets control
-back within ``timeout_s``: a rank that raises, a rank that dies without a word
-(``os._exit``, a signal, a segfault), and a rank stuck in a collective whose
-peer is gone all end the run, kill every remaining rank, and raise on the
-caller naming the rank that failed first.
+back within ``timeout_s``, and what it gets explains what happened:
+
+- a rank that raises: its traceback, naming the rank, with the tail of every
+  other rank's output;
+- a rank that dies without a word (``os._exit``, a signal, a segfault): its
+  exit code or signal, and its output;
+- a hang (the timeout, or the caller interrupted by pytest-timeout or Ctrl-C):
+  every live rank's Python stack at that moment, dumped by ``faulthandler``
+  armed in each rank, then every rank's whole process tree is killed.
+
+The rendezvous cannot race with another run on the machine: the caller holds
+the ``TCPStore`` on a port the OS gave it (port 0), and the ranks connect to
+it; no port is probed and released. Each rank's stdout and stderr go to files
+in a log directory (:class:`RankLogs`), which the e2e plugin attaches to the
+test's report. A rank dies with its caller (``PR_SET_PDEATHSIG``), so a caller
+killed with SIGKILL leaves no rank behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import pickle
-import socket
+import shutil
+import signal
+import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, NoReturn
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 __all__ = [
     "DistributedRankError",
     "DistributedTimeoutError",
-    "default_backend",
-    "free_port",
+    "RankLogs",
     "run_distributed",
 ]
 
 MASTER_ADDR = "127.0.0.1"
-# After SIGTERM, how long a rank gets to exit before SIGKILL.
+# After a hang: how long the ranks get to write their stacks before SIGKILL.
+_STACK_WAIT_S = 2.0
+# After a rank failed or finished: how long the others get to exit after SIGTERM.
 _TERM_GRACE_S = 2.0
+# How much of each rank's output an error message quotes.
+_TAIL_LINES = 20
+_STACK_SIGNAL = signal.SIGUSR1
 
 
 class DistributedRankError(RuntimeError):
@@ -76,31 +94,99 @@ def _rebuild_rank_error(
 
 
 class DistributedTimeoutError(TimeoutError):
-    """:func:`run_distributed` did not finish within its timeout; ``pending`` lists
-    the ranks that had not returned."""
+    """:func:`run_distributed` did not finish within its timeout.
 
-    def __init__(self, timeout_s: float, pending: list[int]) -> None:
+    ``pending`` lists the ranks that had not returned; ``stacks`` maps each of
+    them to the Python stack it dumped when the timeout fired.
+    """
+
+    def __init__(
+        self, timeout_s: float, pending: list[int], stacks: dict[int, str] | None = None
+    ) -> None:
         self.timeout_s = timeout_s
         self.pending = pending
-        super().__init__(
-            f"run_distributed timed out after {timeout_s:g} s; ranks still running: {pending}"
-        )
+        self.stacks = dict(stacks or {})
+        text = f"run_distributed timed out after {timeout_s:g} s; ranks still running: {pending}"
+        for rank in pending:
+            stack = self.stacks.get(rank, "").strip() or "(no stack: the rank did not answer)"
+            text += f"\n\nStack of rank {rank} at the timeout:\n{stack}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (DistributedTimeoutError, (self.timeout_s, self.pending, self.stacks))
 
 
-def free_port(host: str = MASTER_ADDR) -> int:
-    """Return a TCP port on ``host`` that was free a moment ago.
+@dataclass
+class RankLogs:
+    """Where the ranks of one run write: ``rank<r>.out``, ``.err``, ``.stack``, NCCL's logs.
 
-    The OS picks it (bind to port 0), so it never collides with a listening
-    socket; another process may still take it before the caller binds it.
+    ``stacks_taken`` is set when the ranks were asked for their stacks (a hang).
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+
+    directory: Path
+    world_size: int
+    backend: str
+    stacks_taken: bool = False
+    failed: bool = False
+
+    def path(self, rank: int, kind: str) -> Path:
+        """The file of ``rank`` for ``kind`` (``out``, ``err`` or ``stack``)."""
+        return self.directory / f"rank{rank}.{kind}"
+
+    def nccl_logs(self, rank: int) -> list[Path]:
+        """NCCL's own log files of ``rank`` (only where ``NCCL_DEBUG`` was set)."""
+        return sorted(self.directory.glob(f"nccl.rank{rank}.*.log"))
+
+    def read(self, rank: int, kind: str, max_bytes: int) -> str:
+        """The last ``max_bytes`` of a rank's file ("" when it is missing)."""
+        return tail_text(self.path(rank, kind), max_bytes)
+
+    def sections(self, max_bytes: int) -> list[tuple[str, str]]:
+        """Report sections, one per non-empty file, each at most ``max_bytes``.
+
+        Named ``Captured stdout rank <r>`` / ``Captured stderr rank <r>`` so that
+        pytest's JUnit writer files them under ``system-out`` / ``system-err``.
+        """
+        found = []
+        for rank in range(self.world_size):
+            for kind, name in (("out", "stdout"), ("err", "stderr")):
+                text = self.read(rank, kind, max_bytes)
+                if text.strip():
+                    found.append((f"Captured {name} rank {rank}", text))
+            stack = self.read(rank, "stack", max_bytes)
+            if stack.strip():
+                found.append((f"Captured stderr rank {rank} stack at the timeout", stack))
+            for log in self.nccl_logs(rank):
+                text = tail_text(log, max_bytes)
+                if text.strip():
+                    found.append((f"Captured stderr rank {rank} {log.name}", text))
+        return found
+
+    def tails(self, ranks: list[int], lines: int = _TAIL_LINES) -> str:
+        """The last lines of the listed ranks' stderr and stdout, for an error message."""
+        parts = []
+        for rank in ranks:
+            for kind in ("err", "out"):
+                text = self.read(rank, kind, 64 * 1024).rstrip()
+                if text:
+                    last = "\n".join(text.splitlines()[-lines:])
+                    parts.append(f"--- rank {rank} std{kind} (last {lines} lines) ---\n{last}")
+        return "\n".join(parts)
 
 
-def default_backend() -> str:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def tail_text(path: Path, max_bytes: int) -> str:
+    """The last ``max_bytes`` of ``path`` as text, marked when cut; "" when missing."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read(max_bytes)
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    if size > max_bytes:
+        text = f"[... first {size - max_bytes} bytes left out ...]\n" + text
+    return text
 
 
 @dataclass(frozen=True)
@@ -115,6 +201,34 @@ class _Outcome:
     failed_at: float = 0.0  # time.time() of the failure, to find the first one
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _redirect_output(logs: RankLogs, rank: int) -> None:
+    """Send this process's fds 1 and 2 to the rank's files; arm faulthandler."""
+    for fd, kind in ((1, "out"), (2, "err")):
+        target = os.open(logs.path(rank, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives with the process
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # A fatal signal (segfault, abort) prints the stack to stderr; the caller's
+    # signal prints it to the stack file.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    stack_file = open(logs.path(rank, "stack"), "w")  # noqa: SIM115 - faulthandler keeps it
+    faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -122,6 +236,8 @@ def _rank_main(
     backend: str,
     timeout_s: float,
     conn: Connection,
+    logs: RankLogs,
+    parent_pid: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
@@ -130,6 +246,8 @@ def _rank_main(
     The outcome is sent (synchronously) before the group is destroyed: peers
     only see connection errors after the real cause is on its way to the caller.
     """
+    _die_with_parent(parent_pid)
+    _redirect_output(logs, rank)
     os.environ.update(
         MASTER_ADDR=MASTER_ADDR,
         MASTER_PORT=str(port),
@@ -138,6 +256,12 @@ def _rank_main(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    if os.environ.get("NCCL_DEBUG", "").strip():
+        # %p: NCCL puts the pid in the name; one file per process of this rank.
+        os.environ["NCCL_DEBUG_FILE"] = str(logs.directory / f"nccl.rank{rank}.%p.log")
+    import torch
+    import torch.distributed as dist
+
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: ranks sharing a host must not each spin a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -145,9 +269,12 @@ def _rank_main(
         try:
             if backend == "nccl":
                 torch.cuda.set_device(rank)
+            store = dist.TCPStore(
+                MASTER_ADDR, port, is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{MASTER_ADDR}:{port}",
+                store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
@@ -155,6 +282,7 @@ def _rank_main(
             outcome = _Outcome(rank, True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
             outcome = _failure(rank, exc)
+            traceback.print_exc()  # into the rank's stderr file too
         conn.send(outcome)
     finally:
         if dist.is_initialized():
@@ -177,20 +305,30 @@ def _failure(rank: int, exc: BaseException) -> _Outcome:
     )
 
 
-def _check_arguments(
-    fn: Callable[..., Any], world_size: int, backend: str, timeout_s: float
+def check_arguments(
+    fn: Callable[..., Any], world_size: object, backend: str, timeout_s: object
 ) -> None:
+    """Refuse bad arguments before anything is spawned, naming the argument.
+
+    Raises:
+        ValueError: ``world_size`` not an int >= 1, ``timeout_s`` not > 0, an
+            unknown backend, or NCCL with fewer visible cards than ranks.
+        TypeError: ``fn`` cannot be pickled into a spawned process.
+    """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not (isinstance(timeout_s, int | float) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(
-            f"backend 'nccl' with world_size={world_size} needs {world_size} CUDA devices, "
-            f"{torch.cuda.device_count()} visible"
-        )
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"backend 'nccl' with world_size={world_size} needs {world_size} CUDA devices, "
+                f"{torch.cuda.device_count()} visible"
+            )
     try:
         pickle.dumps(fn)
     except Exception as exc:
@@ -200,22 +338,68 @@ def _check_arguments(
         ) from exc
 
 
-def _stop(processes: list[Any]) -> None:
-    """Terminate, then kill, every rank still alive; reap them all."""
+def _trees(processes: list[Any]) -> list[Any]:
+    """Every live process of the ranks: each rank and everything it started."""
+    import psutil
+
+    found = []
     for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + _TERM_GRACE_S
-    for proc in processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
+        if proc.pid is None:
+            continue
+        try:
+            root = psutil.Process(proc.pid)
+            found += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _kill_trees(processes: list[Any], grace_s: float) -> None:
+    """TERM (then, after ``grace_s``, KILL) every rank's whole tree; reap the ranks."""
+    import psutil
+
+    tree = _trees(processes)
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+    _, alive = psutil.wait_procs(tree, timeout=grace_s) if grace_s > 0 else ([], tree)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        proc.join()
-        proc.close()
+    psutil.wait_procs(alive, timeout=5)
+    for proc in processes:
+        if proc.pid is not None:
+            proc.join(5)
+        with contextlib.suppress(ValueError):
+            proc.close()
 
 
-def _raise_for(outcome: _Outcome) -> NoReturn:
+def _take_stacks(processes: list[Any], ranks: list[int], logs: RankLogs) -> dict[int, str]:
+    """Ask each listed rank for its Python stack; wait until the files stop growing."""
+    logs.stacks_taken = True
+    for rank in ranks:
+        if processes[rank].is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(processes[rank].pid, _STACK_SIGNAL)
+    deadline = time.monotonic() + _STACK_WAIT_S
+    sizes: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = {rank: _size(logs.path(rank, "stack")) for rank in ranks}
+        if all(now[r] > 0 for r in ranks) and now == sizes:
+            break
+        sizes = now
+    return {rank: logs.read(rank, "stack", 256 * 1024) for rank in ranks}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _raise_for(outcome: _Outcome, logs: RankLogs) -> NoReturn:
     """Re-raise a rank's failure on the caller, chained to its original exception."""
     original: BaseException | None = None
     if outcome.payload:
@@ -223,97 +407,183 @@ def _raise_for(outcome: _Outcome) -> NoReturn:
             original = pickle.loads(outcome.payload)
         except Exception:  # noqa: BLE001 - the text already says what happened
             original = None
-    raise DistributedRankError(
-        outcome.rank, f"raised {outcome.error_text}", outcome.remote_traceback
-    ) from original
+    others = [r for r in range(logs.world_size) if r != outcome.rank]
+    text = f"raised {outcome.error_text}"
+    traceback_text = outcome.remote_traceback
+    tails = logs.tails(others)
+    if tails:
+        traceback_text += f"\nOutput of the other ranks:\n{tails}"
+    raise DistributedRankError(outcome.rank, text, traceback_text) from original
 
 
-def _died(rank: int, exitcode: int | None) -> NoReturn:
+def _died(rank: int, exitcode: int | None, logs: RankLogs) -> NoReturn:
     if exitcode is not None and exitcode < 0:
         how = f"was killed by signal {-exitcode}"
     else:
         how = f"exited with code {exitcode}"
-    raise DistributedRankError(rank, f"{how} without returning a result", exitcode=exitcode)
+    tails = logs.tails(list(range(logs.world_size)))
+    raise DistributedRankError(
+        rank,
+        f"{how} without returning a result" + (f"\n\n{tails}" if tails else ""),
+        exitcode=exitcode,
+    )
+
+
+@contextlib.contextmanager
+def _log_directory(log_dir: str | os.PathLike[str] | None) -> Iterator[Path]:
+    """``log_dir`` (kept), or a temporary directory removed afterwards."""
+    if log_dir is not None:
+        kept = Path(log_dir)
+        kept.mkdir(parents=True, exist_ok=True)
+        yield kept
+        return
+    path = Path(tempfile.mkdtemp(prefix="ranks-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class _Run:
+    processes: list[Any] = field(default_factory=list)
+    readers: dict[Connection, int] = field(default_factory=dict)
+    values: dict[int, Any] = field(default_factory=dict)
 
 
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    backend: str | None = None,
+    backend: str = "gloo",
     timeout_s: float = 120,
+    log_dir: str | os.PathLike[str] | None = None,
+    on_logs: Callable[[RankLogs], None] | None = None,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
-    Each rank runs inside an initialised default process group (``backend``,
-    default :func:`default_backend`; NCCL ranks use ``cuda:rank``) rendezvousing
-    at ``127.0.0.1`` on a free port; ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE`` and ``LOCAL_RANK`` are set for code that reads them. The group is
-    destroyed whether ``fn`` returns or raises. Unless ``OMP_NUM_THREADS`` is set,
-    each rank uses cpu_count // world_size intra-op threads (at least 1).
+    Each rank runs inside an initialised default process group (``backend``:
+    ``"gloo"``, or ``"nccl"`` with ``cuda:rank``) whose store the caller holds;
+    ``MASTER_ADDR``, ``MASTER_PORT`` (the store's), ``RANK``, ``WORLD_SIZE`` and
+    ``LOCAL_RANK`` are set for code that reads them. The group is destroyed
+    whether ``fn`` returns or raises. Unless ``OMP_NUM_THREADS`` is set, each rank
+    uses cpu_count // world_size intra-op threads (at least 1).
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function) and so
     must the return values, which come back as a list indexed by rank.
 
+    Each rank's output goes to ``log_dir`` (default: a temporary directory,
+    removed at the end); ``on_logs`` is called with the :class:`RankLogs` before
+    the ranks start, so a caller can attach them to a report whatever happens.
+
     Raises:
         DistributedRankError: the first rank that raised (message and remote
-            traceback, chained to the original exception when it unpickles), or
-            a rank that exited without reporting (with its exit code). A rank
-            that dies silently is blamed before ranks that raised at the same
-            moment, since their errors are usually its consequence. All other
-            ranks are killed.
+            traceback, chained to the original exception when it unpickles,
+            with the other ranks' output), or a rank that exited without
+            reporting (with its exit code). A rank that dies silently is blamed
+            before ranks that raised at the same moment, since their errors are
+            usually its consequence. All other ranks are killed.
         DistributedTimeoutError: not every rank finished within ``timeout_s``
-            seconds (start-up included); every rank is killed.
+            seconds (start-up included); it carries the stack of every rank
+            still running, and every rank is killed.
+        ValueError, TypeError: bad arguments, before anything is spawned.
     """
-    backend = backend or default_backend()
-    _check_arguments(fn, world_size, backend, timeout_s)
+    check_arguments(fn, world_size, backend, timeout_s)
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
-    port = free_port()
-    processes: list[Any] = []
-    readers: dict[Connection, int] = {}
-    values: dict[int, Any] = {}
-    try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, port, backend, timeout_s, writer, fn, args),
-                name=f"run_distributed-rank{rank}",
-                daemon=True,
+    with _log_directory(log_dir) as directory:
+        logs = RankLogs(directory, world_size, backend)
+        if on_logs is not None:
+            on_logs(logs)
+        # Port 0: the OS gives the store a port nobody else holds, and it is held
+        # until the run ends, so two runs on one machine can never meet.
+        store = dist.TCPStore(
+            MASTER_ADDR,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        run = _Run()
+        finished = False
+        try:
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(
+                        rank,
+                        world_size,
+                        store.port,
+                        backend,
+                        timeout_s,
+                        writer,
+                        logs,
+                        os.getpid(),
+                        fn,
+                        args,
+                    ),  # fmt: skip
+                    name=f"run_distributed-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                writer.close()  # the child holds the only write end: EOF when it dies
+                run.processes.append(proc)
+                run.readers[reader] = rank
+            result = _collect(run, logs, world_size, timeout_s)
+            finished = True
+            return result
+        except DistributedTimeoutError:
+            logs.failed = True
+            raise
+        except BaseException:
+            logs.failed = True
+            # Interrupted from outside (pytest-timeout, Ctrl-C): the same
+            # explanation as a timeout, in the rank files the report attaches.
+            pending = [r for r in range(world_size) if r not in run.values]
+            live = [r for r in pending if r < len(run.processes) and run.processes[r].is_alive()]
+            if live:
+                _take_stacks(run.processes, live, logs)
+            raise
+        finally:
+            for reader in run.readers:
+                reader.close()
+            _kill_trees(run.processes, _TERM_GRACE_S if finished else 0)
+            del store
+
+
+def _collect(run: _Run, logs: RankLogs, world_size: int, timeout_s: float) -> list[Any]:
+    """Wait for every rank's outcome; raise for the first failure, a death or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while len(run.values) < world_size:
+        remaining = deadline - time.monotonic()
+        pending = [r for r in range(world_size) if r not in run.values]
+        if remaining <= 0:
+            live = [r for r in pending if run.processes[r].is_alive()]
+            raise DistributedTimeoutError(
+                timeout_s, pending, _take_stacks(run.processes, live, logs)
             )
-            proc.start()
-            writer.close()  # the child holds the only write end: EOF when it dies
-            processes.append(proc)
-            readers[reader] = rank
-        deadline = time.monotonic() + timeout_s
-        while len(values) < world_size:
-            remaining = deadline - time.monotonic()
-            pending = [r for r in range(world_size) if r not in values]
-            if remaining <= 0:
-                raise DistributedTimeoutError(timeout_s, pending)
-            ready = wait(list(readers), timeout=remaining)
-            failures: list[_Outcome] = []
-            dead: list[int] = []
-            for reader in ready:
-                rank = readers.pop(reader)
-                try:
-                    outcome: _Outcome = reader.recv()
-                except EOFError:
-                    dead.append(rank)
-                    continue
-                finally:
-                    reader.close()
-                if outcome.ok:
-                    values[rank] = pickle.loads(outcome.payload)
-                else:
-                    failures.append(outcome)
-            if dead:
-                processes[dead[0]].join(_TERM_GRACE_S)
-                _died(dead[0], processes[dead[0]].exitcode)
-            if failures:
-                _raise_for(min(failures, key=lambda o: o.failed_at))
-        return [values[rank] for rank in range(world_size)]
-    finally:
-        for reader in readers:
-            reader.close()
-        _stop(processes)
+        ready = wait(list(run.readers), timeout=remaining)
+        failures: list[_Outcome] = []
+        dead: list[int] = []
+        for reader in ready:
+            rank = run.readers.pop(reader)
+            try:
+                outcome: _Outcome = reader.recv()
+            except EOFError:
+                dead.append(rank)
+                continue
+            finally:
+                reader.close()
+            if outcome.ok:
+                run.values[rank] = pickle.loads(outcome.payload)
+            else:
+                failures.append(outcome)
+        if dead:
+            run.processes[dead[0]].join(_TERM_GRACE_S)
+            _died(dead[0], run.processes[dead[0]].exitcode, logs)
+        if failures:
+            _raise_for(min(failures, key=lambda o: o.failed_at), logs)
+    return [run.values[rank] for rank in range(world_size)]

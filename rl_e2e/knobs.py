@@ -1,6 +1,7 @@
 """Typed readers for environment-variable knobs.
 
-Every ``TRAINER_*`` / ``GPUSCHED_*`` knob is read through one of these helpers so
+Every ``TRAINER_*`` / ``GPUSCHED_*`` knob (and any a repository using ``rl_e2e``
+wants read the same way) is read through one of these helpers so
 that the rules are the same everywhere:
 
 - the variable is read from ``os.environ`` when the helper is *called* (never
@@ -31,9 +32,10 @@ __all__ = [
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
-# Names containing one of these words (as a ``_``-separated part or a suffix such as
-# ``HF_TOKEN`` / ``WANDB_API_KEY`` / ``AWS_SECRET_ACCESS_KEY``) hold credentials.
-_SECRET_NAME = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+# Names in which one of these words ends a ``_``-separated part (``HF_TOKEN``,
+# ``WANDB_API_KEY``, ``AWS_SECRET_ACCESS_KEY``, ``APIKEY``) hold credentials;
+# ``TOKENIZERS_PARALLELISM`` does not.
+_SECRET_NAME = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)S?(_|$)", re.IGNORECASE)
 
 
 def _raw(name: str, environ: Mapping[str, str] | None) -> str | None:

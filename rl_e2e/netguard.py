@@ -10,9 +10,11 @@ until its timeout. Pinning NCCL/gloo to ``lo`` fixes single-node runs.
 set (then it does nothing, not even probe); otherwise it probes once, with a
 1 s timeout, whether this host can connect to its own outbound IP, and only
 when it cannot sets the missing variables. A value already set is never
-overridden. Applied by the repository's root ``conftest.py`` before anything
-imports Ray, and by the trainer's entry point on single-node runs (call it
-before ``ray.init`` so the raylet and its workers inherit the variables).
+overridden. Applied by the e2e plugin (``rl_e2e.plugin``) when pytest starts,
+before any test module imports Ray, and by the trainer's entry point on
+single-node runs (call it before ``ray.init`` so the raylet and its workers
+inherit the variables). It also names a routing variable that selects no
+interface of this host, which NCCL and gloo would only show as a hang.
 
 Standard library only: it runs before pytest collects anything.
 """
@@ -22,11 +24,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Mapping, MutableMapping
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 
 __all__ = [
     "GUARD_VALUES",
+    "GuardDecision",
     "apply_loopback_guard",
+    "local_interfaces",
+    "loopback_guard",
+    "socket_ifname_problems",
     "host_reaches_itself",
     "missing_guard_vars",
     "outbound_ip",
@@ -97,30 +105,123 @@ def host_reaches_itself(
             return False
 
 
-def apply_loopback_guard(
+@dataclass(frozen=True)
+class GuardDecision:
+    """What the loopback guard found and did, for the pytest header and the logs.
+
+    ``set_now`` holds the variables it set; ``already_set`` the guard variables
+    that were set before it ran; ``reachable`` the probe's answer (``None`` when
+    nothing was missing, so it did not probe); ``problems`` names the routing
+    variables that point at interfaces this host does not have.
+    """
+
+    set_now: dict[str, str]
+    already_set: dict[str, str]
+    reachable: bool | None
+    probe_ms: float | None
+    problems: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line: what was decided and why."""
+        if self.reachable is None:
+            what = "nothing to do: " + " ".join(f"{k}={v}" for k, v in self.already_set.items())
+            what += " already set"
+        elif self.reachable:
+            what = f"this host reaches its own IP (probe {self.probe_ms:.0f} ms); nothing set"
+        else:
+            what = (
+                f"this host cannot reach its own IP (probe {self.probe_ms:.0f} ms); set "
+                + " ".join(f"{k}={v}" for k, v in self.set_now.items())
+            )
+        return what + "".join(f"; PROBLEM: {problem}" for problem in self.problems)
+
+
+def local_interfaces() -> list[str]:
+    """The names of this host's network interfaces (``lo``, ``eth0``, ...)."""
+    try:
+        return sorted(name for _, name in socket.if_nameindex())
+    except OSError:
+        return []
+
+
+def socket_ifname_problems(
+    environ: Mapping[str, str], interfaces: Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """Name each routing variable that selects no interface of this host.
+
+    ``NCCL_SOCKET_IFNAME`` is a comma-separated list of name prefixes (``=eth0``
+    an exact name, a leading ``^`` an exclusion list, which is not checked);
+    ``GLOO_SOCKET_IFNAME`` a comma-separated list of exact names. NCCL and gloo
+    otherwise fail at rendezvous without saying why.
+    """
+    names = local_interfaces() if interfaces is None else list(interfaces)
+    if not names:
+        return ()
+    problems = []
+    nccl = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    if nccl and not nccl.startswith("^"):
+        exact = nccl.startswith("=")
+        wanted = [w.strip() for w in nccl.lstrip("=").split(",") if w.strip()]
+        if not any(
+            (name == want) if exact else name.startswith(want) for want in wanted for name in names
+        ):
+            problems.append(
+                f"NCCL_SOCKET_IFNAME={nccl} matches no interface of this host ({', '.join(names)})"
+            )
+    gloo = environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    missing = [w.strip() for w in gloo.split(",") if w.strip() and w.strip() not in names]
+    if missing:
+        problems.append(
+            f"GLOO_SOCKET_IFNAME={gloo} names {', '.join(missing)}, not an interface of "
+            f"this host ({', '.join(names)})"
+        )
+    return tuple(problems)
+
+
+def loopback_guard(
     environ: MutableMapping[str, str] | None = None,
     probe: Callable[[], bool] = host_reaches_itself,
-) -> dict[str, str]:
+    interfaces: Sequence[str] | None = None,
+) -> GuardDecision:
     """Set the missing routing variables to loopback if this host cannot reach itself.
 
     Args:
         environ: where to read and set the variables (default ``os.environ``).
         probe: returns True when the host can reach its own IP; called at most
             once, and not at all when every guard variable is already set.
+        interfaces: this host's interface names (default: asked of the OS), to
+            check the routing variables against.
 
     Returns:
-        The variables that were set (empty when nothing was missing or the
-        host reaches itself). Values already present are never changed.
+        The decision: what was set (values already present are never changed),
+        what the probe said, and any routing variable naming no interface.
     """
     env: MutableMapping[str, str] = os.environ if environ is None else environ
     missing = missing_guard_vars(env)
-    if not missing:
-        return {}
-    if probe():
-        return {}
-    env.update(missing)
-    logger.warning(
-        "this host cannot connect to its own IP; routing collectives over loopback: %s",
-        " ".join(f"{name}={value}" for name, value in missing.items()),
-    )
-    return missing
+    already = {name: env[name] for name in GUARD_VALUES if name not in missing}
+    reachable: bool | None = None
+    probe_ms: float | None = None
+    set_now: dict[str, str] = {}
+    if missing:
+        started = time.perf_counter()
+        reachable = probe()
+        probe_ms = (time.perf_counter() - started) * 1000
+        if not reachable:
+            env.update(missing)
+            set_now = dict(missing)
+            logger.warning(
+                "this host cannot connect to its own IP; routing collectives over loopback: %s",
+                " ".join(f"{name}={value}" for name, value in missing.items()),
+            )
+    problems = socket_ifname_problems(env, interfaces)
+    for problem in problems:
+        logger.warning("%s", problem)
+    return GuardDecision(set_now, already, reachable, probe_ms, problems)
+
+
+def apply_loopback_guard(
+    environ: MutableMapping[str, str] | None = None,
+    probe: Callable[[], bool] = host_reaches_itself,
+) -> dict[str, str]:
+    """:func:`loopback_guard`, returning only the variables it set (empty if none)."""
+    return loopback_guard(environ, probe).set_now

@@ -1,28 +1,23 @@
-"""The trainer's production Ray runtime env, and the worker setup hook.
+"""A Ray runtime env composed in three layers, and the pieces of a worker setup hook.
 
-``get_runtime_env()`` is what the driver passes to ``ray.init(runtime_env=...)``
-(and what the e2e fixtures pass too, so tests run with the production
-environment). It is composed in three layers, later wins:
+A repository's production runtime env (what its driver passes to
+``ray.init(runtime_env=...)``) is composed from three layers, later wins:
 
-1. ``DEFAULT_ENV_VARS`` -- settings every worker should have (each explained below);
-2. host variables forwarded by prefix (``FORWARD_PREFIXES``), minus the names and
-   glob patterns listed in ``TRAINER_EXCLUDE``;
+1. defaults every worker should have (``RL_DEFAULT_ENV_VARS`` for the usual RL
+   stack, each explained below, or a repository's own);
+2. host variables forwarded by prefix, minus the names and glob patterns the
+   repository excludes (statically, or at run time through a variable such as
+   ``TRAINER_EXCLUDE``);
 3. the runtime env of ``ray job submit --runtime-env-json``, which Ray hands the
    job's driver in ``RAY_JOB_CONFIG_JSON_ENV_VAR``. Ray refuses to merge a job
    runtime env with a ``ray.init`` one that sets the same keys (unless
    ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``), so instead of overriding we *leave out*
    every key the job sets: Ray's merge then keeps the job's value.
 
-Pure composition (``parse_exclude``, ``forwarded_env_vars``,
-``parse_job_runtime_env``, ``compose_runtime_env``) is separate from reading
-``os.environ`` and logging (``get_runtime_env``) so it is unit-tested without
-effects. Called by the driver (``python -m trainer``) and the e2e fixtures.
-
-``worker_setup`` runs in every Ray worker process of the job (Ray's
-``worker_process_setup_hook``, given as a dotted path because Ray imports it by
-name in the worker): it configures the trainer's logging and then runs the
-user's ``TRAINER_EXTRA_WORKER_SETUP_HOOK="/abs/file.py:function"``. It never
-raises: Ray kills a worker whose setup hook raises.
+:class:`RuntimeEnvLayers` holds one repository's choices; pure functions do the
+composition, so it is unit-tested without effects. The trainer
+(``trainer/launch/runtime_env.py``) and the e2e plugin (``rl_e2e.plugin``) use
+this module; it imports neither Ray nor torch.
 """
 
 from __future__ import annotations
@@ -35,33 +30,33 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.env import env_str, redact
+from rl_e2e.knobs import redact
 
 __all__ = [
-    "DEFAULT_ENV_VARS",
-    "EXCLUDE_VAR",
-    "EXTRA_HOOK_VAR",
-    "FORWARD_PREFIXES",
     "JOB_CONFIG_VAR",
-    "WORKER_SETUP_HOOK",
+    "RAY_RUNTIME_ENV_KEYS",
+    "RL_DEFAULT_ENV_VARS",
+    "RL_FORWARD_PREFIXES",
+    "RuntimeEnvLayers",
+    "check_runtime_env",
     "compose_runtime_env",
     "describe_env_vars",
+    "describe_runtime_env",
     "forwarded_env_vars",
-    "get_runtime_env",
     "load_hook",
     "parse_exclude",
     "parse_hook_spec",
     "parse_job_runtime_env",
     "run_extra_hook",
-    "worker_setup",
 ]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENV_VARS: dict[str, str] = {
+RL_DEFAULT_ENV_VARS: dict[str, str] = {
     # Ray workers are fresh processes, not forks of a process that already used a
     # tokenizer, so the Rust thread pool is safe. Saying so explicitly keeps
     # batch tokenization parallel and silences the fork warning HF prints.
@@ -82,10 +77,10 @@ DEFAULT_ENV_VARS: dict[str, str] = {
 }
 
 # Host variables whose names start with one of these reach the workers. GLOO_ is
-# forwarded too: the NCCL loopback guard (trainer.netguard) may set
+# forwarded too: the NCCL loopback guard (rl_e2e.netguard) may set
 # GLOO_SOCKET_IFNAME on the driver, and a cluster not started by the driver (a
 # `ray job submit`) would not otherwise see it.
-FORWARD_PREFIXES: tuple[str, ...] = (
+RL_FORWARD_PREFIXES: tuple[str, ...] = (
     "VLLM_",
     "SGL_",
     "SGLANG_",
@@ -102,22 +97,43 @@ FORWARD_PREFIXES: tuple[str, ...] = (
     "CUDNN_",
     "NV_",
     "NVIDIA_",
-    "TRAINER_",
     "GLOO_",
 )
 
-EXCLUDE_VAR = "TRAINER_EXCLUDE"
-EXTRA_HOOK_VAR = "TRAINER_EXTRA_WORKER_SETUP_HOOK"
-LOG_LEVEL_VAR = "TRAINER_LOG_LEVEL"
 # The variable Ray's job supervisor sets for a submitted job's driver
 # (ray._private.runtime_env.constants.RAY_JOB_CONFIG_JSON_ENV_VAR, Ray 2.60).
 JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-# Dotted path: Ray imports the hook by name inside each worker.
-WORKER_SETUP_HOOK = "trainer.runtime_env.worker_setup"
+
+# The top-level keys Ray 2.60 knows (ray.runtime_env.RuntimeEnv.known_fields);
+# tests/rl_e2e/test_runtime_env.py keeps this list equal to Ray's. Ray would take
+# any other key as the name of a runtime-env plugin and fail only when a worker
+# starts, so a typo (``env_var``) is refused here, where it is made.
+RAY_RUNTIME_ENV_KEYS: frozenset[str] = frozenset(
+    {
+        "py_modules",
+        "py_executable",
+        "java_jars",
+        "working_dir",
+        "conda",
+        "pip",
+        "uv",
+        "container",
+        "excludes",
+        "env_vars",
+        "_ray_release",
+        "_ray_commit",
+        "_inject_current_ray",
+        "config",
+        "worker_process_setup_hook",
+        "_nsight",
+        "_rocprof_sys",
+        "image_uri",
+    }
+)
 
 
 def parse_exclude(spec: str) -> tuple[str, ...]:
-    """Split a ``TRAINER_EXCLUDE`` value into names and glob patterns.
+    """Split an exclude list (``TRAINER_EXCLUDE``'s value) into names and glob patterns.
 
     ``" VLLM*, HF_HOME ,"`` -> ``("VLLM*", "HF_HOME")``: comma-separated,
     whitespace around entries ignored, empty entries dropped.
@@ -134,19 +150,21 @@ def _is_excluded(name: str, patterns: tuple[str, ...]) -> bool:
 def forwarded_env_vars(
     environ: Mapping[str, str],
     exclude: tuple[str, ...] = (),
-    prefixes: tuple[str, ...] = FORWARD_PREFIXES,
+    prefixes: tuple[str, ...] = RL_FORWARD_PREFIXES,
+    never: tuple[str, ...] = (),
 ) -> dict[str, str]:
     """Return the host variables that go to the workers.
 
     A variable is forwarded when its name starts with one of ``prefixes`` and
     matches none of ``exclude`` (exact names or ``fnmatch`` globs, ``VLLM*``
-    drops every name starting with ``VLLM``). ``TRAINER_EXCLUDE`` itself is never
-    forwarded: it is an instruction to the driver, not a setting for workers.
+    drops every name starting with ``VLLM``). Names in ``never`` (the exclude
+    variable itself: an instruction to the driver, not a setting for workers)
+    are never forwarded.
     """
     return {
         name: value
         for name, value in sorted(environ.items())
-        if name.startswith(prefixes) and name != EXCLUDE_VAR and not _is_excluded(name, exclude)
+        if name.startswith(prefixes) and name not in never and not _is_excluded(name, exclude)
     }
 
 
@@ -186,13 +204,14 @@ def compose_runtime_env(
     defaults: Mapping[str, str],
     forwarded: Mapping[str, str],
     job_runtime_env: Mapping[str, Any] | None,
+    setup_hook: str | None = None,
 ) -> dict[str, Any]:
     """Compose the ``ray.init`` runtime env from the three layers, later wins.
 
     ``defaults`` < ``forwarded``; every ``env_vars`` key of ``job_runtime_env`` is
     removed from ours so that Ray's job/driver merge keeps the job's value.
-    ``working_dir: None`` and our ``worker_process_setup_hook`` are only set
-    when the job does not set them (Ray refuses the merge otherwise).
+    ``working_dir: None`` and ``setup_hook`` (as ``worker_process_setup_hook``)
+    are only set when the job does not set them (Ray refuses the merge otherwise).
     """
     job = dict(job_runtime_env or {})
     env_vars = {**defaults, **forwarded}
@@ -201,8 +220,90 @@ def compose_runtime_env(
     runtime_env: dict[str, Any] = {"env_vars": env_vars}
     if "working_dir" not in job:
         runtime_env["working_dir"] = None
-    if "worker_process_setup_hook" not in job:
-        runtime_env["worker_process_setup_hook"] = WORKER_SETUP_HOOK
+    if setup_hook and "worker_process_setup_hook" not in job:
+        runtime_env["worker_process_setup_hook"] = setup_hook
+    return runtime_env
+
+
+@dataclass(frozen=True)
+class RuntimeEnvLayers:
+    """One repository's runtime env: its defaults, what it forwards, what it excludes.
+
+    ``exclude`` is fixed (names or globs); ``exclude_var`` names a host variable
+    whose comma-separated value excludes more at run time (the trainer's
+    ``TRAINER_EXCLUDE``). ``setup_hook`` is the dotted path Ray imports in every
+    worker as its ``worker_process_setup_hook``.
+    """
+
+    defaults: Mapping[str, str] = field(default_factory=lambda: dict(RL_DEFAULT_ENV_VARS))
+    forward_prefixes: tuple[str, ...] = RL_FORWARD_PREFIXES
+    exclude: tuple[str, ...] = ()
+    exclude_var: str | None = None
+    setup_hook: str | None = None
+
+    def compose(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Return the runtime env for ``ray.init`` from ``environ`` (default ``os.environ``, read now).
+
+        A malformed job config is a warning and the first two layers are used.
+        Logs what it composed, never the value of a secret-looking variable.
+        """
+        source: Mapping[str, str] = os.environ if environ is None else environ
+        exclude = self.exclude
+        never: tuple[str, ...] = ()
+        if self.exclude_var:
+            exclude += parse_exclude(source.get(self.exclude_var, ""))
+            never = (self.exclude_var,)
+        forwarded = forwarded_env_vars(source, exclude, self.forward_prefixes, never)
+        try:
+            job = parse_job_runtime_env(source.get(JOB_CONFIG_VAR))
+        except ValueError as err:
+            logger.warning("ignoring the job's runtime env: %s", err)
+            job = None
+        runtime_env = compose_runtime_env(self.defaults, forwarded, job, self.setup_hook)
+        if job is not None:
+            logger.info(
+                "ray job runtime env sets %s; left to the job",
+                sorted({*(job.get("env_vars") or {}), *(k for k in job if k != "env_vars")}),
+            )
+            if self.setup_hook and "worker_process_setup_hook" in job:
+                logger.warning(
+                    "the job sets its own worker_process_setup_hook; %s will not run",
+                    self.setup_hook,
+                )
+        logger.info("runtime env vars: %s", describe_env_vars(runtime_env["env_vars"]))
+        return runtime_env
+
+
+def check_runtime_env(runtime_env: object, source: str) -> dict[str, Any]:
+    """Return ``runtime_env`` if it is a dict Ray would take, else raise naming ``source``.
+
+    Checked without Ray: a dict, string keys among :data:`RAY_RUNTIME_ENV_KEYS`,
+    ``env_vars`` a mapping of strings to strings.
+
+    Raises:
+        TypeError: not a dict, or ``env_vars`` holds something else than strings.
+        ValueError: a key Ray does not know.
+    """
+    if not isinstance(runtime_env, dict):
+        raise TypeError(f"{source} must give a dict, got {type(runtime_env).__name__}")
+    unknown = sorted(str(key) for key in runtime_env if key not in RAY_RUNTIME_ENV_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{source}: Ray knows no runtime env key {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(sorted(k for k in RAY_RUNTIME_ENV_KEYS if not k.startswith('_')))})"
+        )
+    env_vars = runtime_env.get("env_vars") or {}
+    if not isinstance(env_vars, Mapping):
+        raise TypeError(
+            f"{source}: 'env_vars' must be a dict of strings, got {type(env_vars).__name__}"
+        )
+    bad = sorted(
+        str(name)
+        for name, value in env_vars.items()
+        if not isinstance(name, str) or not isinstance(value, str)
+    )
+    if bad:
+        raise TypeError(f"{source}: 'env_vars' values must be strings; not so for {', '.join(bad)}")
     return runtime_env
 
 
@@ -211,70 +312,45 @@ def describe_env_vars(env_vars: Mapping[str, str]) -> str:
     return " ".join(f"{name}={redact(name, value)}" for name, value in sorted(env_vars.items()))
 
 
-def get_runtime_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Return the runtime env for ``ray.init(runtime_env=...)``.
-
-    Reads ``environ`` (default ``os.environ``, read now): ``TRAINER_EXCLUDE``,
-    the forwarded prefixes and Ray's job config. A malformed job config is a
-    warning and the first two layers are used. Logs what it composed, never the
-    value of a secret-looking variable.
-    """
-    source: Mapping[str, str] = os.environ if environ is None else environ
-    exclude = parse_exclude(source.get(EXCLUDE_VAR, ""))
-    forwarded = forwarded_env_vars(source, exclude)
-    try:
-        job = parse_job_runtime_env(source.get(JOB_CONFIG_VAR))
-    except ValueError as err:
-        logger.warning("ignoring the job's runtime env: %s", err)
-        job = None
-    runtime_env = compose_runtime_env(DEFAULT_ENV_VARS, forwarded, job)
-    if job is not None:
-        logger.info(
-            "ray job runtime env sets %s; left to the job",
-            sorted({*(job.get("env_vars") or {}), *(k for k in job if k != "env_vars")}),
-        )
-        if "worker_process_setup_hook" in job:
-            logger.warning(
-                "the job sets its own worker_process_setup_hook; %s and %s will not run",
-                WORKER_SETUP_HOOK,
-                EXTRA_HOOK_VAR,
-            )
-    logger.info("runtime env vars: %s", describe_env_vars(runtime_env["env_vars"]))
-    return runtime_env
+def describe_runtime_env(runtime_env: Mapping[str, Any]) -> str:
+    """One log-safe line for a whole runtime env: its variables, then its other keys."""
+    parts = [f"env_vars: {describe_env_vars(runtime_env.get('env_vars') or {}) or '(none)'}"]
+    parts += [f"{key}={value!r}" for key, value in sorted(runtime_env.items()) if key != "env_vars"]
+    return "; ".join(parts)
 
 
-def parse_hook_spec(spec: str) -> tuple[Path, str]:
-    """Split ``"/abs/file.py:function"`` into the file and the function name.
+def parse_hook_spec(spec: str, variable: str) -> tuple[Path, str]:
+    """Split ``"/abs/file.py:function"`` (the value of ``variable``) into file and function.
 
     Raises:
-        ValueError: naming ``TRAINER_EXTRA_WORKER_SETUP_HOOK`` when the spec has no
-            ``:function`` part, the path is not absolute, or the file is missing.
+        ValueError: naming ``variable`` when the spec has no ``:function`` part,
+            the path is not absolute, or the file is missing.
     """
     path_text, sep, func_name = spec.strip().rpartition(":")
     if not sep or not path_text or not func_name.isidentifier():
-        raise ValueError(f"{EXTRA_HOOK_VAR}={spec!r} must look like /abs/path/file.py:function")
+        raise ValueError(f"{variable}={spec!r} must look like /abs/path/file.py:function")
     path = Path(path_text)
     if not path.is_absolute():
-        raise ValueError(f"{EXTRA_HOOK_VAR}={spec!r}: {path_text!r} is not an absolute path")
+        raise ValueError(f"{variable}={spec!r}: {path_text!r} is not an absolute path")
     if not path.is_file():
-        raise ValueError(f"{EXTRA_HOOK_VAR}={spec!r}: no file at {path_text!r}")
+        raise ValueError(f"{variable}={spec!r}: no file at {path_text!r}")
     return path, func_name
 
 
-def load_hook(spec: str) -> Callable[[], object]:
+def load_hook(spec: str, variable: str) -> Callable[[], object]:
     """Import the file named by ``spec`` (even when not on ``sys.path``) and return the function.
 
     Raises:
         ValueError: the spec is malformed, the file is not importable Python, or
-            the function is missing or not callable (the message names the variable).
+            the function is missing or not callable (the message names ``variable``).
         Exception: whatever executing the file raises.
     """
-    path, func_name = parse_hook_spec(spec)
+    path, func_name = parse_hook_spec(spec, variable)
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module_name = f"_trainer_extra_hook_{digest}"
+    module_name = f"_rl_e2e_extra_hook_{digest}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"{EXTRA_HOOK_VAR}={spec!r}: {path} is not a Python file")
+        raise ValueError(f"{variable}={spec!r}: {path} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     # Registered before running so that code in the file which looks itself up
     # (dataclasses, pickle) finds its module.
@@ -286,49 +362,20 @@ def load_hook(spec: str) -> Callable[[], object]:
         raise
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise ValueError(f"{EXTRA_HOOK_VAR}={spec!r}: {path} has no function {func_name!r}")
+        raise ValueError(f"{variable}={spec!r}: {path} has no function {func_name!r}")
     return func
 
 
-def run_extra_hook(spec: str) -> bool:
-    """Load and call the extra hook; log any failure with its traceback, never raise.
+def run_extra_hook(spec: str, variable: str) -> bool:
+    """Load and call the hook ``spec`` names; log any failure with its traceback, never raise.
 
     Returns True when the hook ran to completion. ``SystemExit`` from the hook is
-    caught too: a hook must not be able to end the worker.
+    caught too: a hook must not be able to end the worker (Ray kills a worker
+    whose setup hook raises).
     """
     try:
-        load_hook(spec)()
+        load_hook(spec, variable)()
     except (Exception, SystemExit):
-        logger.exception("%s=%r failed; the worker continues without it", EXTRA_HOOK_VAR, spec)
+        logger.exception("%s=%r failed; the worker continues without it", variable, spec)
         return False
     return True
-
-
-def _configure_logging() -> None:
-    level_name = env_str(LOG_LEVEL_VAR, "INFO").upper()
-    level = logging.getLevelName(level_name)
-    if not isinstance(level, int):
-        raise ValueError(f"{LOG_LEVEL_VAR}={level_name!r} is not a logging level")
-    root = logging.getLogger("trainer")
-    root.setLevel(level)
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s pid=%(process)d: %(message)s")
-        )
-        root.addHandler(handler)
-
-
-def worker_setup() -> None:
-    """Ray ``worker_process_setup_hook``: per-worker setup, then the extra hook.
-
-    Called by Ray in every worker process of the job before it runs any task.
-    Never raises (Ray would kill the worker): failures are logged with traceback.
-    """
-    try:
-        _configure_logging()
-    except Exception:
-        logger.exception("trainer worker logging setup failed; using Ray's defaults")
-    spec = os.environ.get(EXTRA_HOOK_VAR, "").strip()
-    if spec:
-        run_extra_hook(spec)

@@ -1,7 +1,7 @@
 """Every TRAINER_* / GPUSCHED_* variable the code reads has a row in the reference's table.
 
 A knob is found two ways: a string literal that is exactly such a name anywhere
-in ``trainer/`` or ``gpusched/`` (whether read directly, through an ``env_*``
+in ``trainer/``, ``gpusched/`` or ``rl_e2e/`` (whether read directly, through an ``env_*``
 helper or via a constant), and the ``GPUSCHED_*`` variables gpusched derives
 from its option table (``gpusched.options.OPTIONS``). The reverse holds too: a
 row for a variable nothing reads is stale documentation.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("trainer", "gpusched")
+SOURCE_DIRS = ("trainer", "gpusched", "rl_e2e")
 KNOB = re.compile(r"(?:TRAINER|GPUSCHED)_[A-Z0-9_]+")
 ROW = re.compile(r"^\|\s*`([A-Z0-9_]+)`\s*\|")
 PAGE = ROOT / "docs" / "reference.md"
@@ -98,7 +98,7 @@ def test_scanner_finds_reads_and_ignores_prose(tmp_path):
     (pkg / "mod.py").write_text(
         '"""Set TRAINER_IN_PROSE=1 to do nothing."""\n'
         "import os\n"
-        "from trainer.env import env_int\n"
+        "from rl_e2e.knobs import env_int\n"
         'A = os.environ.get("TRAINER_DIRECT")\n'
         'B = env_int("TRAINER_VIA_HELPER", 1)\n'
         'NAME = "GPUSCHED_VIA_CONSTANT"\n'

@@ -101,8 +101,8 @@ def run(cfg: Config) -> RunResult:
     import ray
 
     prepared = _prepare(cfg)  # bad input fails here, before Ray starts
-    from trainer.netguard import apply_loopback_guard
-    from trainer.runtime_env import get_runtime_env
+    from rl_e2e.netguard import apply_loopback_guard
+    from trainer.launch.runtime_env import get_runtime_env
 
     apply_loopback_guard()
     common = dict(runtime_env=get_runtime_env(), log_to_driver=False, logging_level="ERROR")

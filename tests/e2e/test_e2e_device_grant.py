@@ -59,7 +59,7 @@ def hook_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def ray_host_env(hook_dir: Path) -> dict[str, str]:
+def e2e_ray_host_env(hook_dir: Path) -> dict[str, str]:
     return {"TRAINER_EXTRA_WORKER_SETUP_HOOK": f"{hook_dir / 'fake_cuda.py'}:pretend_cuda"}
 
 
@@ -87,7 +87,7 @@ class Probe(Worker):
 
 
 def test_workers_without_a_gpu_grant_use_cpu_and_gloo_though_cuda_is_visible(
-    ray_cluster, hook_dir: Path
+    e2e_ray, hook_dir: Path
 ) -> None:
     manager = ResourcePoolManager({"p": ResourcePool([2])}, {"probe": "p"})
     groups = create_role_groups(manager, {"probe": (Probe, {})})
@@ -101,7 +101,7 @@ def test_workers_without_a_gpu_grant_use_cpu_and_gloo_though_cuda_is_visible(
 
 
 def test_auto_trains_on_a_cpu_cluster_though_the_driver_and_workers_see_cuda(
-    ray_cluster, hook_dir: Path, tmp_path: Path, driver_sees_cuda: None
+    e2e_ray, hook_dir: Path, tmp_path: Path, driver_sees_cuda: None
 ) -> None:
     assert torch.cuda.is_available()  # what the driver of a GPU node sees
     cfg = load_config(

@@ -23,7 +23,7 @@ from trainer.config import load_config
 from trainer.models import ensure_tiny_model
 
 pytestmark = pytest.mark.parametrize(
-    "ray_cluster",
+    "e2e_ray",
     [
         pytest.param({"num_cpus": 2}, id="cpu"),
         pytest.param({"num_cpus": 2, "num_gpus": 1}, marks=pytest.mark.gpu1, id="gpu1"),
@@ -49,11 +49,11 @@ PER_EPISODE = (
 
 
 @pytest.fixture(scope="module")
-def result(ray_cluster, tmp_path_factory):
+def result(e2e_ray, tmp_path_factory):
     model_dir = ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("model-cache"))
     device = (
         ["trainer.use_gpu=true", "trainer.num_workers=1"]
-        if ray_cluster.num_gpus
+        if e2e_ray.num_gpus
         else ["trainer.num_workers=2"]
     )
     cfg = load_config(

@@ -2,7 +2,7 @@
 
 Each scenario is a real training run (``trainer.__main__.run_on_cluster``: the
 same code as ``python -m trainer`` after ``ray.init``) on the module's one Ray
-cluster, started by the ``ray_cluster`` fixture with the production runtime env.
+cluster, started by the ``e2e_ray`` fixture with the production runtime env.
 Runs are module-scoped fixtures; the tests assert on what they produced:
 rewards that rise, finite losses, KL terms that measure a real difference,
 which processes hosted which role, checkpoint files and a resumed step count.
@@ -27,7 +27,7 @@ from trainer.config import load_config
 from trainer.models import ensure_tiny_model
 
 pytestmark = pytest.mark.parametrize(
-    "ray_cluster",
+    "e2e_ray",
     [
         # Four CPUs: separate pools hold 2 actor + 2 critic processes.
         pytest.param({"num_cpus": 4}, id="cpu"),
@@ -126,7 +126,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def train(
-    ray_cluster, model_dir: str, tmp_path_factory: pytest.TempPathFactory
+    e2e_ray, model_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., RunResult]:
     """``train(name, *overrides, colocate=True)``: one run on the module's cluster."""
 
@@ -139,7 +139,7 @@ def train(
                 "trainer.progress=false",
                 "trainer.tensorboard=false",
                 f"trainer.run_dir={run_dir or tmp_path_factory.mktemp(name)}",
-                *_device_overrides(ray_cluster.num_gpus, pools),
+                *_device_overrides(e2e_ray.num_gpus, pools),
                 *overrides,
             ]
         )

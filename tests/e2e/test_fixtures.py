@@ -62,7 +62,7 @@ def task_pid() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_host_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def e2e_ray_host_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Every cluster in this module tells its hooks where to write."""
     return {HOOK_DIR_VAR: str(tmp_path_factory.mktemp("hooks"))}
 
@@ -71,47 +71,50 @@ def _probes(n: int = 2) -> list:
     return [Probe.remote() for _ in range(n)]
 
 
-@pytest.mark.parametrize("ray_cluster", [{"host_env": FORWARDED}], indirect=True, ids=["fwd"])
+@pytest.mark.parametrize("e2e_ray", [{"host_env": FORWARDED}], indirect=True, ids=["fwd"])
 class TestForwardedEnvAndHook:
-    def test_forwarded_hf_home_reaches_worker(self, ray_cluster):
+    def test_forwarded_hf_home_reaches_worker(self, e2e_ray):
         probe = Probe.remote()
         assert ray.get(probe.env.remote("HF_HOME")) == HF_HOME_VALUE
 
-    def test_defaults_reach_worker(self, ray_cluster):
+    def test_defaults_reach_worker(self, e2e_ray):
         probe = Probe.remote()
-        env_vars = ray_cluster.runtime_env["env_vars"]
+        env_vars = e2e_ray.runtime_env["env_vars"]
         for name in ("NCCL_DEBUG", "TOKENIZERS_PARALLELISM", "NCCL_CUMEM_ENABLE"):
             assert ray.get(probe.env.remote(name)) == env_vars[name], name
 
-    def test_extra_hook_runs_in_every_worker(self, ray_cluster, ray_host_env):
+    def test_extra_hook_runs_in_every_worker(self, e2e_ray, e2e_ray_host_env):
         probes = _probes()
         pids = set(ray.get([p.pid.remote() for p in probes]))
         pids |= set(ray.get([task_pid.remote() for _ in range(4)]))
-        ran = {int(p.name.split("-")[1]) for p in Path(ray_host_env[HOOK_DIR_VAR]).glob("ran-*")}
+        ran = {
+            int(p.name.split("-")[1]) for p in Path(e2e_ray_host_env[HOOK_DIR_VAR]).glob("ran-*")
+        }
         assert len(pids) >= 2
         assert pids <= ran, f"workers {sorted(pids - ran)} did not run the hook"
 
-    def test_ray_address_is_not_set_while_running(self, ray_cluster):
+    def test_ray_address_is_not_set_while_running(self, e2e_ray):
         assert "RAY_ADDRESS" not in os.environ
-        assert len(str(ray_cluster.temp_dir)) <= 40
+        assert len(str(e2e_ray.temp_dir)) <= 40
 
 
 @pytest.mark.parametrize(
-    "ray_cluster", [{"host_env": EXCLUDED_AND_FAILING}], indirect=True, ids=["excl"]
+    "e2e_ray", [{"host_env": EXCLUDED_AND_FAILING}], indirect=True, ids=["excl"]
 )
 class TestExcludedEnvAndFailingHook:
-    def test_excluded_hf_home_does_not_reach_worker(self, ray_cluster):
-        assert "HF_HOME" not in ray_cluster.runtime_env["env_vars"]
+    def test_excluded_hf_home_does_not_reach_worker(self, e2e_ray):
+        assert "HF_HOME" not in e2e_ray.runtime_env["env_vars"]
         probe = Probe.remote()
         assert ray.get(probe.env.remote("HF_HOME")) != HF_HOME_VALUE
 
-    def test_failing_hook_leaves_workers_alive(self, ray_cluster, ray_host_env):
+    def test_failing_hook_leaves_workers_alive(self, e2e_ray, e2e_ray_host_env):
         probes = _probes()
         pids = ray.get([p.pid.remote() for p in probes])
         # Alive: each actor answers again after its hook failed.
         assert ray.get([p.pid.remote() for p in probes]) == pids
         attempted = {
-            int(p.name.split("-")[1]) for p in Path(ray_host_env[HOOK_DIR_VAR]).glob("attempt-*")
+            int(p.name.split("-")[1])
+            for p in Path(e2e_ray_host_env[HOOK_DIR_VAR]).glob("attempt-*")
         }
         assert set(pids) <= attempted, "the failing hook did not run in every actor"
 
@@ -130,15 +133,15 @@ def _fail_on_rank_one(rank: int, world_size: int) -> None:
         raise ValueError("rank one fails on purpose")
 
 
-def test_distributed_runs_a_collective_on_every_rank(distributed):
-    assert distributed(_all_reduce_rank_plus_one, 2) == [(2, 3.0), (2, 3.0)]
+def test_distributed_runs_a_collective_on_every_rank(e2e_distributed):
+    assert e2e_distributed(_all_reduce_rank_plus_one, 2) == [(2, 3.0), (2, 3.0)]
 
 
-def test_distributed_reraises_with_the_rank(distributed):
-    from trainer.distributed import DistributedRankError
+def test_distributed_reraises_with_the_rank(e2e_distributed):
+    from rl_e2e.distributed import DistributedRankError
 
     with pytest.raises(DistributedRankError, match="rank 1") as info:
-        distributed(_fail_on_rank_one, 2)
+        e2e_distributed(_fail_on_rank_one, 2)
     assert info.value.rank == 1
     assert "rank one fails on purpose" in str(info.value)
 
@@ -147,16 +150,16 @@ _INNER_TESTS = """
     import json, os
     from pathlib import Path
 
-    def test_cluster_then_fail(ray_cluster):
+    def test_cluster_then_fail(e2e_ray):
         Path(os.environ["OUT"]).write_text(json.dumps(
-            {"temp_dir": str(ray_cluster.temp_dir),
+            {"temp_dir": str(e2e_ray.temp_dir),
              "ray_address": os.environ.get("RAY_ADDRESS")}))
         assert False, "fails on purpose"
 
-    def test_gpu_cluster(ray_cluster_gpu1):
+    def test_gpu_cluster(e2e_ray_gpu1):
         pass
 
-    def test_gpu_distributed(distributed_gpu2):
+    def test_gpu_distributed(e2e_distributed_gpu2):
         pass
 """
 
@@ -175,7 +178,8 @@ def _ray_processes_under(temp_dir: str) -> list[str]:
 def test_cluster_stops_when_its_test_fails_and_gpu_variants_skip(pytester, monkeypatch):
     """A failing test still shuts its cluster down; the GPU fixtures skip on CPU and are
     marked at collection (``-m gpu2`` selects them)."""
-    pytester.makeconftest((THIS_FILE.parent / "conftest.py").read_text())
+    pytester.makeconftest('pytest_plugins = ["rl_e2e.plugin"]')
+    pytester.makeini("[pytest]\nrl_e2e_runtime_env = trainer.launch.runtime_env:get_runtime_env\n")
     pytester.makepyfile(test_inner=textwrap.dedent(_INNER_TESTS))
     out = pytester.path / "out.json"
     monkeypatch.setenv("OUT", str(out))

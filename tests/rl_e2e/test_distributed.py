@@ -1,10 +1,14 @@
-"""Tests of trainer.distributed on real spawned processes and real gloo groups."""
+"""Tests of rl_e2e.distributed on real spawned processes and real gloo groups."""
 
 from __future__ import annotations
 
 import os
-import socket
+import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -12,11 +16,10 @@ import torch
 import torch.distributed as dist
 from deadlines import hang_guard
 
-from trainer.distributed import (
+from rl_e2e.distributed import (
     DistributedRankError,
     DistributedTimeoutError,
-    default_backend,
-    free_port,
+    RankLogs,
     run_distributed,
 )
 
@@ -69,17 +72,6 @@ def _children_of_this_process() -> list[psutil.Process]:
 
 
 # --- tests ---
-
-
-def test_free_port_is_bindable() -> None:
-    port = free_port()
-    assert 0 < port < 65536
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", port))
-
-
-def test_default_backend_matches_cuda_availability() -> None:
-    assert default_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def test_returns_each_ranks_value_in_rank_order() -> None:
@@ -145,6 +137,163 @@ def test_unpicklable_function_is_refused() -> None:
         run_distributed(lambda rank, ws: rank, 2, backend="gloo")
 
 
+def _talk_then_sleep_on_rank_one(rank: int, world_size: int) -> None:
+    print(f"hello from rank {rank}", flush=True)
+    print(f"warning from rank {rank}", file=sys.stderr, flush=True)
+    if rank == 1:
+        _stuck_in_a_named_frame()
+    dist.barrier()  # rank 0 waits for rank 1 here
+
+
+def _stuck_in_a_named_frame() -> None:
+    time.sleep(3600)
+
+
+def _talk_then_raise_on_rank_zero(rank: int, world_size: int) -> None:
+    print(f"rank {rank} got this far", flush=True)
+    if rank == 0:
+        raise RuntimeError("rank zero gives up")
+    dist.barrier()
+
+
+def _store_port(rank: int, world_size: int) -> int:
+    dist.barrier()
+    return int(os.environ["MASTER_PORT"])
+
+
+def test_a_hang_explains_itself_with_every_ranks_stack(tmp_path: Path) -> None:
+    """The timeout dumps each live rank's stack, labelled, then kills them all.
+
+    How soon the error follows the timeout is a figure of bench/e2e_fixtures.py.
+    """
+    seen: list[RankLogs] = []
+    with pytest.raises(DistributedTimeoutError) as info:
+        # Long enough for both ranks to start on a loaded machine: the stacks
+        # are taken from ranks that reached their hang.
+        run_distributed(
+            _talk_then_sleep_on_rank_one,
+            2,
+            timeout_s=hang_guard(6),
+            log_dir=tmp_path,
+            on_logs=seen.append,
+        )
+    err = info.value
+    assert err.pending == [0, 1]
+    assert "_stuck_in_a_named_frame" in err.stacks[1]
+    assert "Stack of rank 1 at the timeout" in str(err)
+    assert "barrier" in err.stacks[0]  # rank 0 is inside the collective
+    assert _children_of_this_process() == []
+    (logs,) = seen
+    sections = dict(logs.sections(10_000))
+    assert sections["Captured stdout rank 0"].strip() == "hello from rank 0"
+    assert "warning from rank 1" in sections["Captured stderr rank 1"]
+    assert "_stuck_in_a_named_frame" in sections["Captured stderr rank 1 stack at the timeout"]
+
+
+def test_a_raising_rank_comes_with_the_other_ranks_output() -> None:
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_talk_then_raise_on_rank_zero, 2, timeout_s=hang_guard(60))
+    assert info.value.rank == 0
+    assert "rank zero gives up" in str(info.value)
+    assert "rank 1 stdout" in str(info.value) and "rank 1 got this far" in str(info.value)
+    assert _children_of_this_process() == []
+
+
+def test_sections_are_bounded(tmp_path: Path) -> None:
+    logs = RankLogs(tmp_path, 1, "gloo")
+    logs.path(0, "err").write_text("x" * 5000 + "END")
+    ((name, text),) = logs.sections(100)
+    assert name == "Captured stderr rank 0"
+    assert text.endswith("END") and "first 4903 bytes left out" in text and len(text) < 200
+
+
+def test_the_caller_holds_the_store_and_ranks_see_its_port() -> None:
+    """No port is probed and released: the ranks meet at the store the caller holds."""
+    ports = run_distributed(_store_port, 2, timeout_s=hang_guard(60))
+    assert ports[0] == ports[1] > 0
+
+
+_INTERRUPTED = """
+    import os, signal, sys, threading, time
+    from pathlib import Path
+    sys.path[:0] = [{tests!r}, {tests!r} + '/..']
+    from rl_e2e.distributed import run_distributed
+    from test_distributed import _talk_then_sleep_on_rank_one
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("as pytest-timeout's signal method does")
+    def alarm_once_rank_one_hangs():
+        out = Path({logs!r}) / "rank1.out"
+        while not (out.exists() and out.read_text()):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGALRM)
+    if __name__ == "__main__":
+        signal.signal(signal.SIGALRM, interrupt)
+        threading.Thread(target=alarm_once_rank_one_hangs, daemon=True).start()
+        try:
+            run_distributed(_talk_then_sleep_on_rank_one, 2, timeout_s=600, log_dir={logs!r})
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+"""
+
+
+def test_an_interrupted_caller_takes_the_stacks_and_leaves_no_rank(tmp_path: Path) -> None:
+    """pytest-timeout (signal method) or Ctrl-C interrupt the caller: stacks, then no process."""
+    script = tmp_path / "interrupted.py"
+    logs = tmp_path / "logs"
+    script.write_text(
+        textwrap.dedent(_INTERRUPTED).format(tests=str(Path(__file__).parent), logs=str(logs))
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=hang_guard(60)
+    )
+    assert "INTERRUPTED" in done.stdout, done.stderr[-3000:]
+    assert "_stuck_in_a_named_frame" in (logs / "rank1.stack").read_text()
+    assert _processes_running(script) == []
+
+
+_KILLED = """
+    import sys
+    sys.path[:0] = [{tests!r}, {tests!r} + '/..']
+    from rl_e2e.distributed import run_distributed
+    from test_distributed import _talk_then_sleep_on_rank_one
+    if __name__ == "__main__":
+        run_distributed(_talk_then_sleep_on_rank_one, 2, timeout_s=600, log_dir={logs!r})
+"""
+
+
+def test_a_caller_killed_with_sigkill_leaves_no_rank(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    logs = tmp_path / "logs"
+    script.write_text(
+        textwrap.dedent(_KILLED).format(tests=str(Path(__file__).parent), logs=str(logs))
+    )
+    caller = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + hang_guard(30)
+        while not (logs / "rank1.out").exists() or not (logs / "rank1.out").read_text():
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        ranks = psutil.Process(caller.pid).children(recursive=True)
+        assert len(ranks) >= 2
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=hang_guard(5))
+    assert [p.pid for p in alive if "resource_tracker" not in " ".join(_cmdline(p))] == []
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _processes_running(script: Path) -> list[int]:
+    return [p.pid for p in psutil.process_iter() if str(script) in " ".join(_cmdline(p))]
+
+
 # --- NCCL (skipped without CUDA) ---
 
 
@@ -162,7 +311,7 @@ def test_nccl_ranks_each_get_their_own_card(world_size: int) -> None:
         pytest.skip("needs CUDA: torch.cuda.is_available() is False")
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
-    out = run_distributed(_nccl_sum, world_size, timeout_s=120)
+    out = run_distributed(_nccl_sum, world_size, backend="nccl", timeout_s=120)
     total = float(sum(range(1, world_size + 1)))
     for rank, (tensor, device, backend) in enumerate(out):
         assert torch.equal(tensor, torch.full((3,), total))

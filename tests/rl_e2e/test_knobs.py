@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trainer.env import env_bool, env_float, env_int, env_str, looks_secret, redact
+from rl_e2e.knobs import env_bool, env_float, env_int, env_str, looks_secret, redact
 
 VAR = "TRAINER_TEST_KNOB"
 
@@ -90,7 +90,9 @@ def test_secret_names_are_redacted(name):
     assert redact(name, "hunter2") == "<redacted>"
 
 
-@pytest.mark.parametrize("name", ["HF_HOME", "NCCL_DEBUG", "TRAINER_EXCLUDE"])
+@pytest.mark.parametrize(
+    "name", ["HF_HOME", "NCCL_DEBUG", "TRAINER_EXCLUDE", "TOKENIZERS_PARALLELISM", "KEYBOARD"]
+)
 def test_ordinary_names_are_shown(name):
     assert not looks_secret(name)
     assert redact(name, "value") == "value"

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from trainer.netguard import (
+from rl_e2e.netguard import (
     GUARD_VALUES,
     apply_loopback_guard,
     host_reaches_itself,

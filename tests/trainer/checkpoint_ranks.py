@@ -1,6 +1,6 @@
 """Rank functions for tests/trainer/test_checkpoint_dcp.py (importable by spawned ranks).
 
-Each runs on real gloo ranks of :func:`trainer.distributed.run_distributed`
+Each runs on real gloo ranks of :func:`rl_e2e.distributed.run_distributed`
 with the tiny model sharded by FSDP2 and AdamW (the trainer's optimizer).
 """
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from deadlines import hang_guard
 
 from trainer.algos import AGG_MODES, agg_norm, policy_loss
-from trainer.distributed import run_distributed
+from rl_e2e.distributed import run_distributed
 
 VOCAB, DIM, BATCH, LENGTH = 11, 8, 8, 6
 LR, STEPS = 0.5, 2

@@ -33,7 +33,7 @@ from trainer.checkpoint_files import (
     split_tensors,
     verify_dcp_dir,
 )
-from trainer.distributed import DistributedRankError, run_distributed
+from rl_e2e.distributed import DistributedRankError, run_distributed
 from trainer.models import ensure_tiny_model, load_tokenizer
 from trainer.rollout import finish_responses
 from trainer.workers.compute import compute_log_probs

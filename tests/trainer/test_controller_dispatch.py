@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from trainer.controller import Dispatch, DispatchSpec, Worker, WorkerContext, create_worker
 from trainer.controller.dispatch import collect_results, split_call
-from trainer.distributed import default_backend
+from trainer.controller.rendezvous import default_backend
 
 
 def _td(n: int) -> TensorDict:

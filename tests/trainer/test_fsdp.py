@@ -22,7 +22,7 @@ import torch
 from deadlines import hang_guard
 from tensordict import TensorDict
 
-from trainer.distributed import run_distributed
+from rl_e2e.distributed import run_distributed
 from trainer.models import ensure_tiny_model
 from trainer.rollout import finish_responses
 from trainer.workers import fsdp

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_fsdp import ROWS, SETTINGS, _batch  # same batch as the CPU test (rootdir-relative import)
 
-from trainer.distributed import run_distributed
+from rl_e2e.distributed import run_distributed
 from trainer.models import ensure_tiny_model
 from trainer.workers import fsdp
 from trainer.workers.compute import response_logits, update_policy

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.distributed import run_distributed
+from rl_e2e.distributed import run_distributed
 from trainer.models import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -12,7 +12,7 @@ import torch
 from deadlines import hang_guard
 from tensordict import TensorDict
 
-from trainer.distributed import run_distributed
+from rl_e2e.distributed import run_distributed
 from trainer.models import ensure_tiny_model
 from trainer.ppo import pad_for_update
 from trainer.rollout import finish_responses

@@ -1,7 +1,7 @@
-"""Composition of the runtime env and the worker setup hook, without Ray.
+"""The trainer's runtime env (rl_e2e's layering with its choices) and worker setup hook, without Ray.
 
 The real-Ray checks (what workers see) are in tests/e2e/test_fixtures.py and
-tests/trainer/test_ray_job_submit.py.
+tests/e2e/test_ray_job_submit.py.
 """
 
 from __future__ import annotations
@@ -13,21 +13,23 @@ import textwrap
 
 import pytest
 
-from trainer import runtime_env as rt
-from trainer.runtime_env import (
-    DEFAULT_ENV_VARS,
-    EXTRA_HOOK_VAR,
-    FORWARD_PREFIXES,
+from rl_e2e.runtime_env import (
     JOB_CONFIG_VAR,
-    WORKER_SETUP_HOOK,
     compose_runtime_env,
     forwarded_env_vars,
-    get_runtime_env,
     load_hook,
     parse_exclude,
     parse_hook_spec,
     parse_job_runtime_env,
     run_extra_hook,
+)
+from trainer.launch import runtime_env as rt
+from trainer.launch.runtime_env import (
+    DEFAULT_ENV_VARS,
+    EXTRA_HOOK_VAR,
+    FORWARD_PREFIXES,
+    WORKER_SETUP_HOOK,
+    get_runtime_env,
     worker_setup,
 )
 
@@ -76,7 +78,7 @@ def test_forwarding_by_prefix():
         "HOME": "/root",
         "MY_HF_HOME": "x",  # prefix must be at the start
     }
-    assert forwarded_env_vars(host) == {
+    assert forwarded_env_vars(host, prefixes=FORWARD_PREFIXES) == {
         "HF_HOME": "/hf",
         "VLLM_USE_V1": "1",
         "NCCL_DEBUG": "INFO",
@@ -86,7 +88,7 @@ def test_forwarding_by_prefix():
 
 def test_every_listed_prefix_forwards():
     host = {f"{prefix}X": prefix for prefix in FORWARD_PREFIXES}
-    assert forwarded_env_vars(host) == host
+    assert forwarded_env_vars(host, prefixes=FORWARD_PREFIXES) == host
 
 
 def test_host_value_beats_default():
@@ -184,7 +186,7 @@ def test_no_key_of_ours_conflicts_with_the_job():
     ],
 )
 def test_malformed_job_config_is_a_warning_and_two_layers(raw, caplog):
-    with caplog.at_level(logging.WARNING, logger="trainer.runtime_env"):
+    with caplog.at_level(logging.WARNING, logger="rl_e2e.runtime_env"):
         env = get_runtime_env({"HF_HOME": "/hf", JOB_CONFIG_VAR: raw})
     assert env == get_runtime_env({"HF_HOME": "/hf"})
     assert any(JOB_CONFIG_VAR in r.getMessage() for r in caplog.records)
@@ -212,7 +214,7 @@ def test_compose_is_pure():
 
 def test_secret_values_never_logged(caplog):
     host = {"HF_TOKEN": "hf_supersecretvalue", "HF_HOME": "/visible-hf-home"}
-    with caplog.at_level(logging.DEBUG, logger="trainer.runtime_env"):
+    with caplog.at_level(logging.DEBUG, logger="rl_e2e.runtime_env"):
         env = get_runtime_env(host)
     assert env["env_vars"]["HF_TOKEN"] == "hf_supersecretvalue"  # still forwarded
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -266,7 +268,7 @@ def hook_file(tmp_path):
 def test_hook_loaded_from_file_not_on_sys_path(hook_file, tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setenv("HOOK_OUT", str(out))
-    assert run_extra_hook(f"{hook_file}:ok") is True
+    assert run_extra_hook(f"{hook_file}:ok", EXTRA_HOOK_VAR) is True
     assert out.read_text() == str(os.getpid())
 
 
@@ -280,8 +282,8 @@ def test_worker_setup_runs_the_extra_hook(hook_file, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("func", ["boom", "leave"])
 def test_failing_hook_is_logged_with_traceback_and_never_raises(hook_file, func, caplog):
-    with caplog.at_level(logging.ERROR, logger="trainer.runtime_env"):
-        assert run_extra_hook(f"{hook_file}:{func}") is False
+    with caplog.at_level(logging.ERROR, logger="rl_e2e.runtime_env"):
+        assert run_extra_hook(f"{hook_file}:{func}", EXTRA_HOOK_VAR) is False
     (record,) = [r for r in caplog.records if EXTRA_HOOK_VAR in r.getMessage()]
     assert record.exc_info is not None
     assert "continues" in record.getMessage()
@@ -290,7 +292,7 @@ def test_failing_hook_is_logged_with_traceback_and_never_raises(hook_file, func,
 def test_worker_setup_survives_bad_spec_and_bad_log_level(monkeypatch, caplog):
     monkeypatch.setenv(EXTRA_HOOK_VAR, "relative/file.py:fn")
     monkeypatch.setenv("TRAINER_LOG_LEVEL", "LOUD")
-    with caplog.at_level(logging.ERROR, logger="trainer.runtime_env"):
+    with caplog.at_level(logging.ERROR, logger="rl_e2e.runtime_env"):
         worker_setup()  # must not raise
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "TRAINER_LOG_LEVEL" in " ".join(str(r.exc_info[1]) for r in caplog.records if r.exc_info)
@@ -309,22 +311,22 @@ def test_worker_setup_survives_bad_spec_and_bad_log_level(monkeypatch, caplog):
 )
 def test_bad_hook_spec_names_the_variable(spec, match):
     with pytest.raises(ValueError, match=match) as info:
-        parse_hook_spec(spec)
+        parse_hook_spec(spec, EXTRA_HOOK_VAR)
     assert EXTRA_HOOK_VAR in str(info.value)
 
 
 def test_missing_or_non_callable_function(hook_file):
     with pytest.raises(ValueError, match="no function 'absent'"):
-        load_hook(f"{hook_file}:absent")
+        load_hook(f"{hook_file}:absent", EXTRA_HOOK_VAR)
     with pytest.raises(ValueError, match="no function 'NOT_CALLABLE'"):
-        load_hook(f"{hook_file}:NOT_CALLABLE")
+        load_hook(f"{hook_file}:NOT_CALLABLE", EXTRA_HOOK_VAR)
 
 
 def test_non_python_file_is_refused(tmp_path):
     path = tmp_path / "hook.txt"
     path.write_text("def f(): pass\n")
     with pytest.raises(ValueError, match="not a Python file"):
-        load_hook(f"{path}:f")
+        load_hook(f"{path}:f", EXTRA_HOOK_VAR)
 
 
 def test_worker_setup_sets_the_trainer_log_level(monkeypatch):

@@ -20,7 +20,7 @@ import torch
 
 from trainer.controller.errors import WorkerError
 from trainer.controller.worker import Worker, WorkerContext, create_worker
-from trainer.distributed import free_port
+from trainer.controller.rendezvous import free_port
 
 __all__ = ["WorkerHost"]
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from trainer.controller.grant import granted_backend
 from trainer.controller.modes import DispatchSpec, as_spec
-from trainer.distributed import default_backend, free_port
+from trainer.controller.rendezvous import default_backend, free_port
 
 __all__ = ["Worker", "WorkerContext", "create_worker"]
 

@@ -1,0 +1,199 @@
+"""A local Ray cluster sealed off from the rest of the machine, and what a test leaves in it.
+
+:func:`local_cluster` starts a new cluster only: ``address="local"`` (never the
+cluster ``RAY_ADDRESS`` or a stale address file points to; ``RAY_ADDRESS`` is
+removed while it runs), its own short temp dir (Ray's socket paths must stay
+under 107 bytes), no dashboard, bounded CPUs, and the given runtime env. It is
+shut down whatever happens, with ``ray.shutdown()`` and never ``ray stop``
+(which stops every cluster on the node).
+
+Between tests of a shared cluster, :class:`Leftovers` removes the actors and
+placement groups a finished test left behind (a failed test's actors would
+otherwise keep their resources and hang the next test), and
+:class:`WorkerLogs` gives the part of the workers' logs a test produced.
+Ray is imported when these run, never at import of this module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl_e2e.distributed import tail_text
+
+__all__ = ["Leftovers", "RayCluster", "WorkerLogs", "local_cluster", "short_temp_root"]
+
+# Ray's unix-socket paths live under the temp dir and must stay under 107 bytes.
+_MAX_TEMP_ROOT_LEN = 40
+_LIVE_ACTOR_STATES = frozenset({"DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "RESTARTING"})
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    """What a test needs to know about the cluster a fixture started."""
+
+    address: str
+    temp_dir: Path
+    num_cpus: int
+    num_gpus: int
+    runtime_env: dict[str, Any] = field(repr=False)
+
+    @property
+    def logs_dir(self) -> Path:
+        """Where Ray writes this cluster's process logs."""
+        return self.temp_dir / "session_latest" / "logs"
+
+
+def short_temp_root() -> str:
+    """``RAY_TMPDIR`` when it is short enough for Ray's socket paths, else ``/tmp``."""
+    root = os.environ.get("RAY_TMPDIR", "")
+    return root if root and len(root) <= _MAX_TEMP_ROOT_LEN else "/tmp"
+
+
+@contextmanager
+def local_cluster(
+    runtime_env: dict[str, Any],
+    num_cpus: int,
+    num_gpus: int = 0,
+    **init_kwargs: Any,
+) -> Iterator[RayCluster]:
+    """Start a new local Ray with ``runtime_env``; shut it down and remove its files whatever happens.
+
+    Raises:
+        RuntimeError: Ray is already initialised in this process (a test that
+            called ``ray.init`` itself, or two cluster fixtures at once).
+    """
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError(
+            "Ray is already initialised in this process: use one e2e_ray fixture at a "
+            "time, and do not call ray.init in a test that uses one"
+        )
+    saved_address = os.environ.pop("RAY_ADDRESS", None)
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray", dir=short_temp_root()))
+    try:
+        context = ray.init(
+            address="local",  # never a cluster a crashed `ray start` recorded
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            _temp_dir=str(temp_dir),
+            **init_kwargs,
+        )
+        yield RayCluster(
+            address=context.address_info["gcs_address"],
+            temp_dir=temp_dir,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            runtime_env=runtime_env,
+        )
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if saved_address is not None:
+            os.environ["RAY_ADDRESS"] = saved_address
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """The live actors and placement groups of the cluster when a test started."""
+
+    actors: frozenset[str]
+    placement_groups: frozenset[str]
+
+    @classmethod
+    def snapshot(cls) -> Leftovers:
+        """What lives in the connected cluster now."""
+        actors, groups = _live_actors(), _live_placement_groups()
+        return cls(frozenset(actors), frozenset(groups))
+
+    def remove_new(self) -> list[str]:
+        """Kill the actors and remove the placement groups created since the snapshot.
+
+        Returns one line for each thing removed (``actor Probe 5f3a...``), so the
+        report can say what a test left behind.
+        """
+        import ray
+        from ray._raylet import ActorID, PlacementGroupID
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        removed = []
+        worker = ray._private.worker.global_worker
+        for actor_id, class_name in sorted(_live_actors().items()):
+            if actor_id not in self.actors:
+                # What ray.kill does with a handle; a test's handle may be gone.
+                worker.core_worker.kill_actor(ActorID.from_hex(actor_id), True)
+                removed.append(f"actor {class_name} {actor_id}")
+        for group_id in sorted(_live_placement_groups()):
+            if group_id not in self.placement_groups:
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+                removed.append(f"placement group {group_id}")
+        return removed
+
+
+def _live_actors() -> dict[str, str]:
+    from ray._private import state
+
+    return {
+        actor_id: str(info.get("ActorClassName") or "?")
+        for actor_id, info in state.actors().items()
+        if info.get("State") in _LIVE_ACTOR_STATES
+    }
+
+
+def _live_placement_groups() -> set[str]:
+    import ray
+
+    return {
+        group_id
+        for group_id, info in ray.util.placement_group_table().items()
+        if info.get("state") != "REMOVED"
+    }
+
+
+@dataclass
+class WorkerLogs:
+    """The size of each worker log of a cluster when a test started, to read what it added."""
+
+    logs_dir: Path
+    offsets: dict[Path, int] = field(default_factory=dict)
+
+    def mark(self) -> None:
+        """Remember where every worker log ends now."""
+        self.offsets = {path: _size(path) for path in self._files()}
+
+    def _files(self) -> list[Path]:
+        return sorted([*self.logs_dir.glob("worker-*.out"), *self.logs_dir.glob("worker-*.err")])
+
+    def since_mark(self, max_bytes: int) -> str:
+        """What the workers wrote since :meth:`mark`, at most ``max_bytes`` (the latest kept)."""
+        parts = []
+        for path in self._files():
+            start = self.offsets.get(path, 0)
+            size = _size(path)
+            if size <= start:
+                continue
+            text = tail_text(path, min(size - start, max_bytes))
+            if text.strip():
+                parts.append(f"--- {path.name} ---\n{text.rstrip()}")
+        joined = "\n".join(parts)
+        if len(joined) > max_bytes:
+            joined = (
+                f"[... {len(joined) - max_bytes} characters left out ...]\n" + joined[-max_bytes:]
+            )
+        return joined
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

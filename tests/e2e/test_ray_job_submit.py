@@ -1,0 +1,88 @@
+"""A real ``ray job submit``: the job's runtime env wins over the trainer's, without conflicts.
+
+The ``e2e_ray_job`` fixture runs ``ray start --head`` with token auth on, and
+a small driver is submitted with ``--runtime-env-json`` setting
+``NCCL_DEBUG=INFO`` (our default is ``WARN``) and a ``working_dir``. The driver
+calls ``ray.init(runtime_env=get_runtime_env())``: without the layering Ray
+would refuse the merge; with it the job succeeds and its workers see ``INFO``.
+Then ``python -m trainer`` itself is submitted: it must join the cluster it
+was submitted to (Ray gives the job ``RAY_ADDRESS``) and train a step there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from deadlines import hang_guard
+
+pytestmark = pytest.mark.timeout(hang_guard(300))
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: The smallest ``python -m trainer`` run: one step of 2 prompts x 2 responses.
+TINY_RUN = [
+    "algo=grpo",
+    "trainer.total_steps=1",
+    "trainer.val_every=0",
+    "trainer.progress=false",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=2",
+    "data.num_train_examples=8",
+    "data.num_val_examples=2",
+]
+
+DRIVER = """
+import json, os
+import ray
+from trainer.launch.runtime_env import get_runtime_env
+
+ray.init(runtime_env=get_runtime_env())
+
+@ray.remote(num_cpus=1)
+def look():
+    return {
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG"),
+        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM"),
+        "marker_in_cwd": os.path.exists("marker.txt"),
+        "pid": os.getpid(),
+    }
+
+results = ray.get([look.remote() for _ in range(2)])
+print("RESULT " + json.dumps(results), flush=True)
+"""
+
+
+def test_the_jobs_runtime_env_wins_over_the_trainers(e2e_ray_job, tmp_path):
+    working_dir = tmp_path / "job"
+    working_dir.mkdir()
+    (working_dir / "driver.py").write_text(textwrap.dedent(DRIVER))
+    (working_dir / "marker.txt").write_text("shipped with working_dir\n")
+    runtime_env = {"env_vars": {"NCCL_DEBUG": "INFO"}, "working_dir": str(working_dir)}
+    done = e2e_ray_job.submit([sys.executable, "driver.py"], runtime_env, hang_guard(180))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    (line,) = [ln for ln in output.splitlines() if ln.startswith("RESULT ")]
+    results = json.loads(line.removeprefix("RESULT "))
+    assert len(results) == 2
+    for seen in results:
+        assert seen["NCCL_DEBUG"] == "INFO"  # the job's value, not our WARN
+        assert seen["TOKENIZERS_PARALLELISM"] == "true"  # our default still applies
+        assert seen["marker_in_cwd"] is True  # the job's working_dir
+
+
+def test_a_submitted_trainer_joins_the_cluster_it_was_submitted_to(e2e_ray_job, tmp_path):
+    """Ray gives the job RAY_ADDRESS: ``python -m trainer`` trains a step there."""
+    trainer_env = {"env_vars": {"PYTHONPATH": str(REPO), "TRAINER_CACHE": str(tmp_path / "cache")}}
+    trained = e2e_ray_job.submit(
+        [sys.executable, "-m", "trainer", *TINY_RUN, f"trainer.run_dir={tmp_path / 'run'}"],
+        trainer_env,
+        hang_guard(180),
+    )
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-5000:]
+    assert "trainer: done: 1 steps" in trained.stdout
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
