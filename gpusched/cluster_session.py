@@ -28,6 +28,7 @@ from gpusched.execution.cluster.driver import (
     CodeSpec,
     check_versions,
     connect,
+    describe_holdings,
     disconnect,
     policy_nodes,
     start_agents,
@@ -211,6 +212,8 @@ def _run_on_cluster(
         f"gpusched: {len(jobs)} files on {len(agents)} nodes: "
         + ", ".join(describe_node(agent) for agent in agents)
     )
+    for line in describe_holdings(agents):
+        reporter.say(line)
     log_dir = STATE_DIR / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(
@@ -281,6 +284,8 @@ def plan(
         raise UsageError(str(exc)) from None
     jobs = _cluster_jobs(prepared, agents)
     session.say_requirements(reporter, prepared, jobs)
+    for line in describe_holdings(agents):
+        reporter.say(line)
     runs, skipped = simulate_cluster(policy_nodes(agents), jobs)
     names = {agent.info.node_id: agent.name for agent in agents}
     reporter.say(

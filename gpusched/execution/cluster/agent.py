@@ -66,6 +66,8 @@ class NodeInfo:
     versions: dict[str, str]
     pid: int
     error: str | None = None  # the node cannot take part (a bad GPUSCHED_SIMULATE_GPUS)
+    held: int = 0  # GPUs of the node in Ray's accounting that this agent holds for the run
+    taken: int = 0  # GPUs of the node in Ray's accounting that other Ray work held at the start
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,20 @@ def node_cards() -> tuple[list[Card], bool]:
     return discover(None, None), False
 
 
+def held_cards(cards: Sequence[Card], simulated: bool, granted: Sequence[str]) -> list[Card]:
+    """The node's cards this run may use when Ray counts GPUs there: the ones it gave the agent.
+
+    ``granted`` are the GPU ids Ray gave the agent's actor. Simulated cards are
+    matched by id; real ones were already read through the
+    ``CUDA_VISIBLE_DEVICES`` Ray set for the actor, unless it was given none
+    (then Ray leaves the variable as it was, and no card is the run's).
+    """
+    if simulated:
+        wanted = set(granted)
+        return [card for card in cards if card.id in wanted]
+    return list(cards) if granted else []
+
+
 def child_base_env(environ: dict[str, str]) -> dict[str, str]:
     """The agent's environment without what marks a Ray worker (its children are not ones)."""
     return {k: v for k, v in environ.items() if k not in _RAY_WORKER_VARIABLES}
@@ -191,8 +207,17 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ called by the driver
 
-    async def describe(self) -> NodeInfo:
-        """This node's id, name, cards, cores and versions."""
+    async def describe(self, ray_gpus: int = 0) -> NodeInfo:
+        """This node's id, name, cards, cores and versions.
+
+        ``ray_gpus``: how many GPUs Ray counts on this node. Where it counts
+        some, the driver created this actor holding every one of them that was
+        free (``num_gpus``), so that while the run lasts Ray gives none of them
+        to other work; the cards this run uses are then exactly those Ray gave
+        this actor (``held_cards``). Where Ray counts none (a node started with
+        ``--num-gpus 0``, or simulated cards Ray does not know), the node's
+        cards are outside Ray's accounting and all of them are used.
+        """
         import ray  # only ever imported in a Ray worker
 
         node_id = self._node_id = ray.get_runtime_context().get_node_id()
@@ -201,6 +226,9 @@ class NodeAgent:
             cards, simulated = node_cards()
         except ValueError as exc:
             return NodeInfo(node_id, hostname, (), False, 0, {}, os.getpid(), str(exc))
+        granted = [str(gpu) for gpu in ray.get_gpu_ids()]
+        if ray_gpus > 0:
+            cards = held_cards(cards, simulated, granted)
         self._cards = {card.id: card for card in cards}
         return NodeInfo(
             node_id,
@@ -210,6 +238,8 @@ class NodeAgent:
             os.cpu_count() or 1,
             versions.local_versions(),
             os.getpid(),
+            held=len(granted),
+            taken=max(0, ray_gpus - len(granted)),
         )
 
     async def start(self, config: AgentConfig) -> None:

@@ -141,8 +141,11 @@ def start_agents(cpu_slots: int, timeout: float = AGENT_START_TIMEOUT) -> list[A
     """One agent per alive node, pinned to it; each has answered ``describe``.
 
     A node runs at most ``cpu_slots`` CPU files at once, and no more than Ray
-    counts CPUs on it (at least one). Raises ClusterError naming the nodes whose
-    agent could not start.
+    counts CPUs on it (at least one). Where Ray counts GPUs on a node, its agent
+    is created holding all of them that are free (``num_gpus``): Ray then gives
+    none of them to other work until the run ends and its actors are gone, and
+    the run uses only those (``NodeAgent.describe``). Raises ClusterError naming
+    the nodes whose agent could not start.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -150,14 +153,18 @@ def start_agents(cpu_slots: int, timeout: float = AGENT_START_TIMEOUT) -> list[A
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     if not nodes:
         raise ClusterError("the Ray cluster has no alive node")
+    free = ray_free_gpus()
     remote = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(NodeAgent)
     actors = [
         remote.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            num_gpus=free.get(node["NodeID"], 0) if ray_gpus(node) else 0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
         ).remote()
         for node in nodes
     ]
-    answers = [actor.describe.remote() for actor in actors]
+    answers = [
+        actor.describe.remote(ray_gpus(node)) for actor, node in zip(actors, nodes, strict=True)
+    ]
     ready, _ = ray.wait(answers, num_returns=len(answers), timeout=timeout)
     infos: list[NodeInfo] = []
     problems = []
@@ -184,6 +191,31 @@ def start_agents(cpu_slots: int, timeout: float = AGENT_START_TIMEOUT) -> list[A
         cpus = int(by_id.get(info.node_id, {}).get("Resources", {}).get("CPU", 1))
         agents.append(Agent(info, name, actor, max(1, min(cpu_slots, cpus))))
     return agents
+
+
+def ray_gpus(node: Mapping[str, Any]) -> int:
+    """How many whole GPUs Ray counts on a node (an entry of ``ray.nodes()``)."""
+    return int(node.get("Resources", {}).get("GPU", 0))
+
+
+def ray_free_gpus() -> dict[str, int]:
+    """Node id -> whole GPUs no Ray work holds now (a snapshot: it may change at once)."""
+    from ray._private.state import available_resources_per_node
+
+    return {
+        node_id: int(resources.get("GPU", 0))
+        for node_id, resources in available_resources_per_node().items()
+    }
+
+
+def describe_holdings(agents: Sequence[Agent]) -> list[str]:
+    """A line per node where other Ray work held some of its GPUs when the run started."""
+    return [
+        f"gpusched: node {agent.name}: {agent.info.taken} of its GPUs are held by other Ray "
+        f"work; this run uses the other {len(agent.info.cards)}"
+        for agent in agents
+        if agent.info.taken
+    ]
 
 
 def check_versions(agents: Sequence[Agent], here: Mapping[str, str] | None = None) -> None:
