@@ -140,7 +140,8 @@ def e2e_ray_host_env() -> dict[str, str]:
 def _overrides(request: pytest.FixtureRequest, host_env: Mapping[str, str]) -> dict[str, Any]:
     """A checked copy of the indirect parameter (never mutated), with the module's host env."""
     param = getattr(request, "param", None)
-    if param is None or isinstance(param, int):  # the GPU variants' own parameter
+    own_gpu_param = request.fixturename != "e2e_ray" and isinstance(param, int)
+    if param is None or own_gpu_param:  # the GPU variants' own parameter
         param = {}
     if not isinstance(param, Mapping):
         pytest.fail(
