@@ -315,6 +315,7 @@ def check_arguments(
             unknown backend, or NCCL with fewer visible cards than ranks.
         TypeError: ``fn`` cannot be pickled into a spawned process.
     """
+    __tracebackhide__ = True  # pytest shows the caller, not these frames
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not (isinstance(timeout_s, int | float) and timeout_s > 0):
@@ -401,6 +402,7 @@ def _size(path: Path) -> int:
 
 def _raise_for(outcome: _Outcome, logs: RankLogs) -> NoReturn:
     """Re-raise a rank's failure on the caller, chained to its original exception."""
+    __tracebackhide__ = True  # pytest shows the caller, not these frames
     original: BaseException | None = None
     if outcome.payload:
         try:
@@ -417,6 +419,7 @@ def _raise_for(outcome: _Outcome, logs: RankLogs) -> NoReturn:
 
 
 def _died(rank: int, exitcode: int | None, logs: RankLogs) -> NoReturn:
+    __tracebackhide__ = True  # pytest shows the caller, not these frames
     if exitcode is not None and exitcode < 0:
         how = f"was killed by signal {-exitcode}"
     else:
@@ -488,6 +491,7 @@ def run_distributed(
             still running, and every rank is killed.
         ValueError, TypeError: bad arguments, before anything is spawned.
     """
+    __tracebackhide__ = True  # pytest shows the caller, not these frames
     check_arguments(fn, world_size, backend, timeout_s)
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -508,6 +512,7 @@ def run_distributed(
         )
         run = _Run()
         finished = False
+        deadline = time.monotonic() + timeout_s  # start-up counts
         try:
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
@@ -532,7 +537,7 @@ def run_distributed(
                 writer.close()  # the child holds the only write end: EOF when it dies
                 run.processes.append(proc)
                 run.readers[reader] = rank
-            result = _collect(run, logs, world_size, timeout_s)
+            result = _collect(run, logs, world_size, timeout_s, deadline)
             finished = True
             return result
         except DistributedTimeoutError:
@@ -554,9 +559,11 @@ def run_distributed(
             del store
 
 
-def _collect(run: _Run, logs: RankLogs, world_size: int, timeout_s: float) -> list[Any]:
+def _collect(
+    run: _Run, logs: RankLogs, world_size: int, timeout_s: float, deadline: float
+) -> list[Any]:
     """Wait for every rank's outcome; raise for the first failure, a death or the timeout."""
-    deadline = time.monotonic() + timeout_s
+    __tracebackhide__ = True  # pytest shows the caller, not these frames
     while len(run.values) < world_size:
         remaining = deadline - time.monotonic()
         pending = [r for r in range(world_size) if r not in run.values]

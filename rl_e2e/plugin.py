@@ -19,6 +19,8 @@ Fixtures (scope in brackets), all prefixed ``e2e_``:
 - ``e2e_runtime_env`` [session]: the :class:`~rl_e2e.source.RuntimeEnvSource`
   the clusters are started with. Override it to configure in code: return a
   source, a function of no arguments giving a runtime env dict, or a dict.
+- ``e2e_ray_options`` [like ``e2e_ray``]: overrides for every cluster of a
+  module (``num_cpus``, ``ray.init`` keywords; default none); override it in a module.
 - ``e2e_ray_host_env`` [like ``e2e_ray``]: host variables added while every
   cluster's runtime env is built (default none); override it in a module.
 - ``e2e_ray`` [module, or session with ``rl_e2e_ray_scope = session``]: a local
@@ -132,22 +134,26 @@ def _ray_scope(fixture_name: str, config: pytest.Config) -> str:
 
 
 @pytest.fixture(scope=_ray_scope)
+def e2e_ray_options() -> dict[str, Any]:
+    """Overrides for every cluster of a module (none); override it in a module.
+
+    The same keys as an indirect parameter, which wins over these.
+    """
+    return {}
+
+
+@pytest.fixture(scope=_ray_scope)
 def e2e_ray_host_env() -> dict[str, str]:
     """Host variables set while each cluster's runtime env is built (none); override per module."""
     return {}
 
 
-def _overrides(request: pytest.FixtureRequest, host_env: Mapping[str, str]) -> dict[str, Any]:
-    """A checked copy of the indirect parameter (never mutated), with the module's host env."""
-    param = getattr(request, "param", None)
-    own_gpu_param = request.fixturename != "e2e_ray" and isinstance(param, int)
-    if param is None or own_gpu_param:  # the GPU variants' own parameter
-        param = {}
+def _checked(where: str, param: object) -> dict[str, Any]:
+    """A copy of a dict of cluster overrides, or a one-line setup failure naming ``where``."""
     if not isinstance(param, Mapping):
         pytest.fail(
-            f"{request.fixturename}: an indirect parameter must be a dict of overrides "
-            f"({', '.join(_CLUSTER_KEYS)} or ray.init keywords), got "
-            f"{type(param).__name__}: {param!r}",
+            f"{where}: overrides must be a dict ({', '.join(_CLUSTER_KEYS)} or ray.init "
+            f"keywords), got {type(param).__name__}: {param!r}",
             pytrace=False,
         )
     import ray
@@ -156,12 +162,28 @@ def _overrides(request: pytest.FixtureRequest, host_env: Mapping[str, str]) -> d
     unknown = sorted(str(key) for key in param if key not in accepted)
     if unknown:
         pytest.fail(
-            f"{request.fixturename}: unknown override {', '.join(map(repr, unknown))}: "
+            f"{where}: unknown override {', '.join(map(repr, unknown))}: "
             f"use {', '.join(_CLUSTER_KEYS)} or a ray.init keyword",
             pytrace=False,
         )
-    overrides = dict(param)
-    overrides["host_env"] = {**host_env, **dict(overrides.get("host_env") or {})}
+    return dict(param)
+
+
+def _overrides(request: pytest.FixtureRequest, host_env: Mapping[str, str]) -> dict[str, Any]:
+    """The module's ``e2e_ray_options`` under the indirect parameter (both copied, never
+    mutated), with the module's host env under the parameter's."""
+    param = getattr(request, "param", None)
+    own_gpu_param = request.fixturename != "e2e_ray" and isinstance(param, int)
+    if param is None or own_gpu_param:  # the GPU variants' own parameter
+        param = {}
+    module = _checked("e2e_ray_options", request.getfixturevalue("e2e_ray_options"))
+    given = _checked(f"{request.fixturename} (indirect parameter)", param)
+    overrides = {**module, **given}
+    overrides["host_env"] = {
+        **host_env,
+        **dict(module.get("host_env") or {}),
+        **dict(given.get("host_env") or {}),
+    }
     return overrides
 
 

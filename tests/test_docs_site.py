@@ -54,7 +54,7 @@ def _copy_project(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "docs", project / "docs")
     for name in ("mkdocs.yml", "CHANGELOG.md"):
         shutil.copy(ROOT / name, project / name)
-    for package in ("gpusched", "trainer"):
+    for package in ("gpusched", "trainer", "rl_e2e"):
         (project / package).symlink_to(ROOT / package)
     return project
 

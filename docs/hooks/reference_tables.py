@@ -1,7 +1,8 @@
 """MkDocs hook: the reference tables are generated from the code, so they cannot go stale.
 
 A line ``{{ gpusched_options }}`` in a page becomes the table of ``gpusched run``
-options (from ``gpusched.options.OPTIONS``); ``{{ trainer_config }}`` becomes the
+options (from ``gpusched.options.OPTIONS``); ``{{ rl_e2e_options }}`` the e2e plugin's
+ini options (from ``rl_e2e.settings.OPTIONS``); ``{{ trainer_config }}`` becomes the
 table of ``python -m trainer`` keys (from ``trainer.config.Config``).
 """
 
@@ -47,8 +48,20 @@ def trainer_config_table() -> str:
     return "\n".join(rows)
 
 
+def rl_e2e_options_table() -> str:
+    """One row per ini option of the rl_e2e plugin: name, type, default, meaning."""
+    from rl_e2e.settings import OPTIONS
+
+    rows = ["| ini option | type | default | meaning |", "|---|---|---|---|"]
+    for option in OPTIONS:
+        default = f"`{option.default}`" if option.default not in ("", []) else "none"
+        rows.append(f"| `{option.name}` | {option.type} | {default} | {_cell(option.help)} |")
+    return "\n".join(rows)
+
+
 TABLES = {
     "{{ gpusched_options }}": gpusched_options_table,
+    "{{ rl_e2e_options }}": rl_e2e_options_table,
     "{{ trainer_config }}": trainer_config_table,
 }
 

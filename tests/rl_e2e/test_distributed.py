@@ -151,6 +151,7 @@ def _stuck_in_a_named_frame() -> None:
 
 def _talk_then_raise_on_rank_zero(rank: int, world_size: int) -> None:
     print(f"rank {rank} got this far", flush=True)
+    dist.barrier()  # both have printed
     if rank == 0:
         raise RuntimeError("rank zero gives up")
     dist.barrier()

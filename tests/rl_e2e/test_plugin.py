@@ -174,6 +174,11 @@ _OVERRIDDEN = """
 
     def test_the_cluster_uses_the_overriding_fixture(e2e_ray):
         assert e2e_ray.runtime_env == {"env_vars": {"FROM_CODE": "1", "ADDED": "yes"}}
+        assert e2e_ray.num_cpus == 1
+
+    @pytest.fixture(scope="module")
+    def e2e_ray_options():
+        return {"num_cpus": 1}
 
     @pytest.fixture(scope="module")
     def e2e_ray_host_env():
@@ -202,9 +207,9 @@ def test_a_fixture_override_and_bad_overrides(pytester):
     result.assert_outcomes(passed=1, errors=2)
     result.stdout.fnmatch_lines(
         [
-            "*e2e_ray: unknown override 'num_cpu': use num_cpus, num_gpus, host_env or a "
-            "ray.init keyword*",
-            "*e2e_ray: an indirect parameter must be a dict of overrides*got int: 4*",
+            "*e2e_ray (indirect parameter): unknown override 'num_cpu': use num_cpus, "
+            "num_gpus, host_env or a ray.init keyword*",
+            "*e2e_ray (indirect parameter): overrides must be a dict*got int: 4*",
         ]
     )
 

@@ -1,12 +1,10 @@
-"""Ray for the trainer's tests: one local cluster per module, small and always shut down.
+"""Fixtures of the trainer's tests: Ray from the e2e plugin, and the command line.
 
 Fixtures (scope in brackets):
 
-- ``ray_init_kwargs`` [module]: the ``ray.init`` keywords of the module's
-  cluster on top of the defaults (2 CPUs, no dashboard); override it in a
-  test module that needs more, e.g. ``return {"num_cpus": 5}``.
-- ``ray_shared`` [module]: a local Ray started with those keywords, shut
-  down when the module ends even if a test or the start itself failed.
+- Ray clusters come from the e2e plugin (``e2e_ray``, ``rl_e2e.plugin``), as
+  in any repository that uses it; a module that needs more than its defaults
+  overrides ``e2e_ray_options``, e.g. ``return {"num_cpus": 5}``.
 - ``trainer_cli`` [module]: runs ``python -m trainer ARGS`` as a user would,
   in an environment with its own model cache (the tiny model built once) and
   a short ``RAY_TMPDIR``, removed when the module ends.
@@ -20,40 +18,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from deadlines import hang_guard
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@contextmanager
-def _ray_start(**overrides: Any) -> Iterator[None]:
-    """Start a local Ray with small defaults and ``overrides``; stop it whatever happens."""
-    import ray
-
-    # "local": never the cluster a crashed `ray start` recorded in ray_current_cluster.
-    ray.init(**{"address": "local", "num_cpus": 2, "include_dashboard": False, **overrides})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ray_init_kwargs() -> dict[str, Any]:
-    """Extra ``ray.init`` keywords of the module's cluster (none)."""
-    return {}
-
-
-@pytest.fixture(scope="module")
-def ray_shared(ray_init_kwargs: dict[str, Any]) -> Iterator[None]:
-    """A module-scoped local Ray cluster; see ``ray_init_kwargs``."""
-    with _ray_start(**ray_init_kwargs):
-        yield
 
 
 @pytest.fixture(scope="module")

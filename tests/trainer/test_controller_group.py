@@ -123,13 +123,13 @@ class CrashWorker(Worker):
 
 
 @pytest.fixture(scope="module")
-def ray_init_kwargs():
+def e2e_ray_options():
     """Five CPUs: the shared groups hold three, the other tests start up to two more."""
     return {"num_cpus": 5}
 
 
 @pytest.fixture(scope="module")
-def groups_shared(ray_shared):
+def groups_shared(e2e_ray):
     manager = ResourcePoolManager(
         {"train": ResourcePool([2]), "ref": ResourcePool([1])},
         {"actor": "train", "critic": "train", "ref": "ref"},
@@ -230,7 +230,7 @@ def test_worker_exception_carries_rank_role_and_remote_traceback(groups_shared):
     assert groups_shared["critic"].fail_on(7) == [0, 1]  # the group still works
 
 
-def test_dispatch_names_that_clash_with_the_group_are_refused(ray_shared):
+def test_dispatch_names_that_clash_with_the_group_are_refused(e2e_ray):
     class Clash(Worker):
         dispatch = {"shutdown": Dispatch.ONE_TO_ALL}
 
@@ -313,7 +313,7 @@ class NcclWorker(Worker):
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.is_available() is False"
 )
-def test_gpu_pool_brings_up_nccl_on_its_card(ray_shared):
+def test_gpu_pool_brings_up_nccl_on_its_card(e2e_ray):
     manager = ResourcePoolManager({"gpu": ResourcePool([1], use_gpu=True)}, {"gpu": "gpu"})
     try:
         group = create_role_groups(manager, {"gpu": (NcclWorker, {})})["gpu"]

@@ -35,7 +35,7 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def ray_init_kwargs():
+def e2e_ray_options():
     """Two CPUs (the defaults), without the workers' logs on the driver."""
     return {"log_to_driver": False}
 
@@ -80,7 +80,7 @@ def _finite(history, keys):
             assert math.isfinite(m[k]), f"step {step}: {k}={m[k]}"
 
 
-def test_gae_steps_on_two_ranks_report_finite_metrics(ray_shared, model_dir):
+def test_gae_steps_on_two_ranks_report_finite_metrics(e2e_ray, model_dir):
     # Rewards of a random model are mostly 0, so advantages can be all 0: the
     # entropy bonus guarantees a gradient.
     overrides = ["algo=gae", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01"]
@@ -114,7 +114,7 @@ def test_gae_steps_on_two_ranks_report_finite_metrics(ray_shared, model_dir):
     assert any(not torch.equal(before[k], after[k]) for k in before), "the actor did not change"
 
 
-def test_grpo_with_kl_in_reward_and_no_critic(ray_shared, model_dir):
+def test_grpo_with_kl_in_reward_and_no_critic(e2e_ray, model_dir):
     with _trainer(
         model_dir, ["algo=grpo", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive"]
     ) as (trainer, groups):
@@ -124,7 +124,7 @@ def test_grpo_with_kl_in_reward_and_no_critic(ray_shared, model_dir):
     assert "critic/vf_loss" not in history[0]
 
 
-def test_ranks_hold_identical_weights_after_updates(ray_shared, model_dir):
+def test_ranks_hold_identical_weights_after_updates(e2e_ray, model_dir):
     """Gradients are all-reduced: both ranks' policies stay bit-identical."""
     with _trainer(model_dir, ["algo=grpo"]) as (trainer, groups):
         trainer.fit()

@@ -35,7 +35,7 @@ __all__ = [
     "EXCLUDE_VAR",
     "EXTRA_HOOK_VAR",
     "FORWARD_PREFIXES",
-    "TRAINER_LAYERS",
+    "LAYERS",
     "WORKER_SETUP_HOOK",
     "get_runtime_env",
     "worker_setup",
@@ -50,7 +50,7 @@ EXTRA_HOOK_VAR = "TRAINER_EXTRA_WORKER_SETUP_HOOK"
 LOG_LEVEL_VAR = "TRAINER_LOG_LEVEL"
 WORKER_SETUP_HOOK = "trainer.launch.runtime_env.worker_setup"
 
-TRAINER_LAYERS = RuntimeEnvLayers(
+LAYERS = RuntimeEnvLayers(
     defaults=DEFAULT_ENV_VARS,
     forward_prefixes=FORWARD_PREFIXES,
     exclude_var=EXCLUDE_VAR,
@@ -63,7 +63,7 @@ def get_runtime_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     ``environ`` defaults to ``os.environ``. See ``RuntimeEnvLayers.compose``.
     """
-    return TRAINER_LAYERS.compose(environ)
+    return LAYERS.compose(environ)
 
 
 def _configure_logging() -> None:
