@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from deadlines import hang_guard
 
-from trainer.algos import AGG_MODES, agg_norm, policy_loss
 from rl_e2e.distributed import run_distributed
+from trainer.algos import AGG_MODES, agg_norm, policy_loss
 
 VOCAB, DIM, BATCH, LENGTH = 11, 8, 8, 6
 LR, STEPS = 0.5, 2

@@ -23,6 +23,7 @@ import torch
 from deadlines import hang_guard
 from tensordict import TensorDict
 
+from rl_e2e.distributed import DistributedRankError, run_distributed
 from trainer import checkpoint as ckpt
 from trainer import rng
 from trainer.checkpoint_files import (
@@ -33,7 +34,6 @@ from trainer.checkpoint_files import (
     split_tensors,
     verify_dcp_dir,
 )
-from rl_e2e.distributed import DistributedRankError, run_distributed
 from trainer.models import ensure_tiny_model, load_tokenizer
 from trainer.rollout import finish_responses
 from trainer.workers.compute import compute_log_probs
