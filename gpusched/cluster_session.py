@@ -29,6 +29,7 @@ from gpusched.execution.cluster.driver import (
     check_versions,
     connect,
     describe_holdings,
+    describe_node,
     disconnect,
     policy_nodes,
     start_agents,
@@ -39,7 +40,6 @@ from gpusched.history import HISTORY_FILE, observations, record_durations
 from gpusched.inventory import Card
 from gpusched.options import UsageError
 from gpusched.reporting.report import ConsoleReporter, display_path, format_place
-from gpusched.requirements import format_memory
 from gpusched.results import FileResult
 from gpusched.scheduling.cluster import cluster_requirement, simulate_cluster
 from gpusched.scheduling.packing import Job
@@ -63,14 +63,6 @@ def check_settings(settings: dict[str, Any]) -> None:
                 "set CUDA_VISIBLE_DEVICES (real cards) or GPUSCHED_SIMULATE_GPUS (simulated "
                 "ones) in the environment of that node's `ray start`"
             )
-
-
-def describe_node(agent: Agent) -> str:
-    cards = agent.info.cards
-    kind = "simulated " if agent.info.simulated else ""
-    sizes = {card.memory for card in cards if card.memory}
-    memory = f" of {'/'.join(format_memory(m) for m in sorted(sizes))}" if sizes else ""
-    return f"{agent.name} ({len(cards)} {kind}cards{memory}, {agent.cpu_slots} CPU slots)"
 
 
 class NodeReporter:
@@ -242,6 +234,7 @@ def _run_on_cluster(
         log_dir=log_dir,
         exitfirst=settings["exitfirst"],
         heartbeat=None if live is not None else settings["heartbeat"],
+        cpu_slots=settings["cpu_slots"],
     )
     with live or contextlib.nullcontext():
         report = asyncio.run(cluster_run.run(jobs))
@@ -254,7 +247,10 @@ def _run_on_cluster(
     if settings.get("timeline"):
         from gpusched.reporting.timeline import timeline_html
 
-        nodes = {agent.name: [card.id for card in agent.info.cards] for agent in agents}
+        nodes = {
+            agent.name: [card.id for card in agent.info.cards]
+            for agent in cluster_run.agents.values()  # with the nodes that joined
+        }
         atomic_write(settings["timeline"], timeline_html(results + report.results, nodes=nodes))
     for name, why in report.lost:
         reporter.say(f"gpusched: node {name} was lost: {why}")

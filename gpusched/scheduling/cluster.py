@@ -1,7 +1,7 @@
 """Packing across the nodes of a cluster: the single controller's policy, as pure data.
 
 The driver of a ``gpusched run --ray`` holds one ``ClusterPolicy``: one view of
-every node's cards. It keeps one ``Packer`` per node, so on each node the cards
+every node's cards, including nodes that join during the run (``add_node``). It keeps one ``Packer`` per node, so on each node the cards
 are chosen exactly as on one machine (best fit on memory, CPU slots, quarantine);
 the policy adds only the choice of the node. Its order is today's: the largest
 pending job first (most GPUs, then longest expected, then file order), on the
@@ -153,6 +153,18 @@ class ClusterPolicy:
         bad = set(quarantined)
         self._quarantined[placement.node] |= bad
         self._packers[placement.node].complete(job_id, bad)
+
+    def add_node(self, node: Node) -> None:
+        """A node joined the cluster during the run: it takes jobs from the next ``schedule`` on.
+
+        A job already skipped as ``Unschedulable`` stays skipped: the policy
+        does not wait for nodes that might join.
+        """
+        if node.id in self._nodes:
+            raise ValueError(f"node {node.id} ({node.name}) is already in the run")
+        self._nodes[node.id] = node
+        self._packers[node.id] = Packer(node.cards, node.cpu_slots)
+        self._quarantined[node.id] = set()
 
     def remove_node(self, node_id: str) -> list[Job]:
         """The node left the cluster: forget it; return the jobs that were running there.

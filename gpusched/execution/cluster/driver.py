@@ -24,6 +24,7 @@ Ray is imported here only, when the first function is called.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -48,6 +49,7 @@ from gpusched.execution.cluster.agent import (
 )
 from gpusched.execution.cluster.reach import ClusterError
 from gpusched.execution.runner import log_name
+from gpusched.requirements import format_memory
 from gpusched.results import FAILING, FileResult, Outcome, TestResult
 from gpusched.scheduling.cluster import ClusterPolicy, Node, Placement
 from gpusched.scheduling.packing import Job, Unschedulable
@@ -56,6 +58,7 @@ from gpusched.scheduling.packing import Job, Unschedulable
 DEFAULT_EXCLUDES = (".git", ".gpusched", "__pycache__", "*.pyc", ".venv", ".tox", ".nox")
 AGENT_START_TIMEOUT = 120.0  # seconds for every agent to be placed and to answer
 SILENCE = 60.0  # seconds without an answer to a poll before an agent's node counts as lost
+JOIN_CHECK = 3.0  # seconds between two looks at the cluster's membership for nodes that joined
 STOP_BOUND = 30.0  # seconds, after the kill grace, for agents to confirm their files are over
 
 
@@ -148,20 +151,12 @@ def start_agents(cpu_slots: int, timeout: float = AGENT_START_TIMEOUT) -> list[A
     the nodes whose agent could not start.
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     if not nodes:
         raise ClusterError("the Ray cluster has no alive node")
     free = ray_free_gpus()
-    remote = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(NodeAgent)
-    actors = [
-        remote.options(
-            num_gpus=free.get(node["NodeID"], 0) if ray_gpus(node) else 0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote()
-        for node in nodes
-    ]
+    actors = [create_agent(node, free) for node in nodes]
     answers = [
         actor.describe.remote(ray_gpus(node)) for actor, node in zip(actors, nodes, strict=True)
     ]
@@ -169,7 +164,7 @@ def start_agents(cpu_slots: int, timeout: float = AGENT_START_TIMEOUT) -> list[A
     infos: list[NodeInfo] = []
     problems = []
     for node, answer in zip(nodes, answers, strict=True):
-        where = f"node {node['NodeManagerHostname']} ({node['NodeID'][:6]}, {node['NodeManagerAddress']})"
+        where = node_place(node)
         if answer not in ready:
             problems.append(f"{where}: its agent did not start within {timeout:g}s")
             continue
@@ -186,11 +181,44 @@ def start_agents(cpu_slots: int, timeout: float = AGENT_START_TIMEOUT) -> list[A
             ray.kill(actor)
         raise ClusterError("; ".join(problems))
     by_id = {node["NodeID"]: node for node in nodes}
-    agents = []
-    for info, name, actor in zip(infos, node_names(infos), actors, strict=True):
-        cpus = int(by_id.get(info.node_id, {}).get("Resources", {}).get("CPU", 1))
-        agents.append(Agent(info, name, actor, max(1, min(cpu_slots, cpus))))
-    return agents
+    return [
+        Agent(info, name, actor, node_cpu_slots(by_id.get(info.node_id, {}), cpu_slots))
+        for info, name, actor in zip(infos, node_names(infos), actors, strict=True)
+    ]
+
+
+def create_agent(node: Mapping[str, Any], free_gpus: Mapping[str, int]) -> Any:
+    """The agent actor for a node (an entry of ``ray.nodes()``), pinned to it, holding the
+    node's free GPUs in Ray's accounting where Ray counts any (see ``start_agents``)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    remote = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(NodeAgent)
+    return remote.options(
+        num_gpus=free_gpus.get(node["NodeID"], 0) if ray_gpus(node) else 0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+    ).remote()
+
+
+def node_place(node: Mapping[str, Any]) -> str:
+    """A node for messages before its agent named it: host, start of its id, address."""
+    return (
+        f"node {node['NodeManagerHostname']} ({node['NodeID'][:6]}, {node['NodeManagerAddress']})"
+    )
+
+
+def node_cpu_slots(node: Mapping[str, Any], cpu_slots: int) -> int:
+    """CPU files at once on a node: at most ``cpu_slots``, no more than Ray counts CPUs (>= 1)."""
+    return max(1, min(cpu_slots, int(node.get("Resources", {}).get("CPU", 1))))
+
+
+def describe_node(agent: Agent) -> str:
+    """``gpu-2 (4 cards of 80GB, 2 CPU slots)``: a node as the console names it."""
+    cards = agent.info.cards
+    kind = "simulated " if agent.info.simulated else ""
+    sizes = {card.memory for card in cards if card.memory}
+    memory = f" of {'/'.join(format_memory(m) for m in sorted(sizes))}" if sizes else ""
+    return f"{agent.name} ({len(cards)} {kind}cards{memory}, {agent.cpu_slots} CPU slots)"
 
 
 def ray_gpus(node: Mapping[str, Any]) -> int:
@@ -283,7 +311,22 @@ class _Tick:
     pass
 
 
-_DriverEvent = _Events | _Lost | _Signal | _Tick
+@dataclass(frozen=True)
+class _Joined:
+    """A node that joined during the run: its agent answered, matches and was started."""
+
+    agent: Agent
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A node that joined during the run and will not be used: the line that says why."""
+
+    node: str
+    line: str
+
+
+_DriverEvent = _Events | _Lost | _Signal | _Tick | _Joined | _Refused
 
 
 class ClusterRun:
@@ -301,6 +344,8 @@ class ClusterRun:
         exitfirst: bool = False,
         heartbeat: float | None = None,
         silence: float = SILENCE,
+        cpu_slots: int = 1,
+        join_check: float | None = JOIN_CHECK,
     ) -> None:
         self.agents = {agent.info.node_id: agent for agent in agents}
         self.policy = ClusterPolicy(policy_nodes(agents))
@@ -320,6 +365,11 @@ class ClusterRun:
         self.no_new = False  # -x after a failure: no new file, running ones finish
         self.events: asyncio.Queue[_DriverEvent] = asyncio.Queue()
         self.relative: dict[int, str] = {}  # job id -> its path under the root, as nodes see it
+        self.cpu_slots = cpu_slots  # for nodes that join: at most this many CPU files each
+        self.join_check = join_check  # seconds between looks for nodes that joined; None: never
+        self.joining: dict[str, Any] = {}  # node id -> the actor of its agent, not yet in the run
+        self.refused: set[str] = set()  # nodes that joined but are not used (a version differs)
+        self.tasks: list[asyncio.Task] = []  # pollers, joins: cancelled at the end
         self._next_beat = time.monotonic() + (heartbeat or 0.0)
 
     async def run(self, jobs: Sequence[Job]) -> ClusterReport:
@@ -333,8 +383,10 @@ class ClusterRun:
                 await _call(start)
             except Exception as exc:  # noqa: BLE001 - its node left before the run began
                 self._node_lost(agent.info.node_id, _first_line(exc))
-        pollers = [asyncio.create_task(self._poll(agent)) for agent in self.agents.values()]
+        self.tasks = [asyncio.create_task(self._poll(agent)) for agent in self.agents.values()]
         ticker = asyncio.create_task(self._tick())
+        if self.join_check is not None:
+            self.tasks.append(asyncio.create_task(self._watch_joins(self.join_check)))
         installed = []
         for signum in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -357,8 +409,9 @@ class ClusterRun:
             for signum in installed:
                 loop.remove_signal_handler(signum)
             ticker.cancel()
-            for poller in pollers:
-                poller.cancel()
+            for task in self.tasks:
+                task.cancel()
+            self._drop_joining()
         for job in self.policy.cancel_pending():
             self._not_run(job)
         return self.report
@@ -382,6 +435,12 @@ class ClusterRun:
                     self._interrupt(signum)
                 case _Tick():
                     self._check_silence()
+                case _Joined(agent):
+                    self._joined(agent)
+                case _Refused(node, line):
+                    self.joining.pop(node, None)
+                    self.refused.add(node)
+                    self.reporter.say(line)
 
     async def _close(self) -> None:
         """Every file is over: let the agents end and confirm (bounded), then stop them."""
@@ -566,6 +625,102 @@ class ClusterRun:
                     key=lambda item: -item[1],
                 )
             )
+
+    # ------------------------------------------------------------------ nodes that join
+
+    async def _watch_joins(self, every: float) -> None:
+        """Every ``every`` s while files wait: start an agent on each alive node not in the run."""
+        import ray
+
+        while True:
+            await asyncio.sleep(every)
+            if self.stopping or self.no_new or not self.policy.has_pending:
+                continue
+            nodes = await asyncio.to_thread(ray.nodes)
+            new = [
+                node
+                for node in nodes
+                if node.get("Alive")
+                and node["NodeID"] not in self.agents
+                and node["NodeID"] not in self.joining
+                and node["NodeID"] not in self.refused
+            ]
+            if not new:
+                continue
+            free = await asyncio.to_thread(ray_free_gpus)
+            for node in new:
+                self.joining[node["NodeID"]] = actor = create_agent(node, free)
+                self.tasks.append(asyncio.create_task(self._join(node, actor)))
+
+    async def _join(self, node: Mapping[str, Any], actor: Any) -> None:
+        """Describe, check and start the agent of a node that joined; tell the loop the outcome.
+
+        A node whose versions differ from the driver's is refused as at the
+        start, but with one line, and the run goes on without it; its agent is
+        killed before it was started, so nothing of the run ever ran there.
+        """
+        import ray
+
+        node_id = node["NodeID"]
+        try:
+            info = await asyncio.wait_for(
+                _call(actor.describe.remote(ray_gpus(node))), AGENT_START_TIMEOUT
+            )
+        except Exception as exc:  # noqa: BLE001 - named in the line
+            ray.kill(actor, no_restart=True)
+            why = "did not start in time" if isinstance(exc, TimeoutError) else _first_line(exc)
+            line = f"gpusched: {node_place(node)} joined, but its agent {why}: not used"
+            self.events.put_nowait(_Refused(node_id, line))
+            return
+        infos = [agent.info for agent in self.agents.values()] + [info]
+        name = node_names(infos)[-1]
+        diff = versions.differences(self.versions_here, info.versions)
+        if info.error or diff:
+            ray.kill(actor, no_restart=True)
+            why = info.error or (
+                "it must run the same interpreter, pytest, gpusched and pytest plugins "
+                "as this machine (here = the driver, there = the node): " + "; ".join(diff)
+            )
+            line = f"gpusched: node {name} joined but is not used: {why}"
+            self.events.put_nowait(_Refused(node_id, line))
+            return
+        try:
+            await _call(actor.start.remote(self.config))
+        except Exception as exc:  # noqa: BLE001 - it left again at once
+            ray.kill(actor, no_restart=True)
+            line = f"gpusched: node {name} joined and left at once: {_first_line(exc)}"
+            self.events.put_nowait(_Refused(node_id, line))
+            return
+        cpu = node_cpu_slots(node, self.cpu_slots)
+        self.events.put_nowait(_Joined(Agent(info, name, actor, cpu)))
+
+    @functools.cached_property
+    def versions_here(self) -> dict[str, str]:
+        """The driver's versions, which a node that joins must match."""
+        return versions.local_versions()
+
+    def _joined(self, agent: Agent) -> None:
+        """Called by the loop: the node takes files from the next decision on."""
+        node_id = agent.info.node_id
+        self.joining.pop(node_id, None)
+        self.agents[node_id] = agent
+        if self.stopping or self.no_new:
+            agent.actor.close_input.remote()  # nothing for it: it ends, ``_close`` stops it
+        else:
+            self.policy.add_node(policy_nodes([agent])[0])
+            self.reporter.say(f"gpusched: node {describe_node(agent)} joined the run")
+        self.tasks.append(asyncio.create_task(self._poll(agent)))
+
+    def _drop_joining(self) -> None:
+        """The run is over: agents of nodes still joining go (their watchdogs clean up)."""
+        import ray
+
+        for actor in self.joining.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.joining.clear()
 
     # ------------------------------------------------------------------ helpers
 

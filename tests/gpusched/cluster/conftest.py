@@ -177,6 +177,7 @@ class StartedCluster:
     address: str
     home: Path
     token: str | None
+    nodes: int = 0  # raylets started so far
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a command run "on a machine of the cluster's user"."""
@@ -184,6 +185,35 @@ class StartedCluster:
 
     def processes(self) -> list[psutil.Process]:
         return processes_where(MARK_VARIABLE, lambda value: value == str(self.home))
+
+    def node_env(self, node: Mapping[str, str]) -> dict[str, str]:
+        """What a ``ray start`` of ``node`` runs in: marked, and its own variables."""
+        env = {**self.env(), MARK_VARIABLE: str(self.home), **_node_env(node)}
+        if self.token is None:
+            env["RAY_AUTH_MODE"] = "disabled"
+        return env
+
+    def start_join(self, node: Mapping[str, str]) -> subprocess.Popen:
+        """``ray start --address`` for one more raylet with ``node``'s variables and flags (it
+        returns once the raylet runs); with token authentication, ``RAY_AUTH_MODE=token``."""
+        env = self.node_env(node)
+        if self.token is not None:
+            env["RAY_AUTH_MODE"] = "token"
+        self.nodes += 1
+        return subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--address", self.address,
+             "--num-cpus", "1", "--temp-dir", str(self.home / f"n{self.nodes}"),
+             *_node_ports(), *_ray_args(node)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+
+    def join(self, node: Mapping[str, str]) -> None:
+        process = self.start_join(node)
+        out, _ = process.communicate(timeout=hang_guard(120))
+        assert process.returncode == 0, out
 
 
 def free_port() -> int:
@@ -247,31 +277,20 @@ def started_cluster(nodes: Sequence[Mapping[str, str]], token: bool = True) -> I
     HOME and Ray's temp dir; nothing of it outlives the block.
     """
     home = Path(tempfile.mkdtemp(prefix="gsr", dir="/tmp"))
-    cluster = StartedCluster("", home, None)
-    base = {**cluster.env(), MARK_VARIABLE: str(home)}
-    if not token:
-        base["RAY_AUTH_MODE"] = "disabled"
     port = free_port()
-    cluster.address = f"127.0.0.1:{port}"
+    cluster = StartedCluster(f"127.0.0.1:{port}", home, None)
     try:
         if token:
-            _ray_generate_token(base)
+            _ray_generate_token(cluster.env())
             cluster.token = (home / ".ray" / "auth_token").read_text().strip()
         _ray_start(
             ["--head", "--port", str(port), "--num-cpus", "1", "--temp-dir", str(home / "h"),
              "--include-dashboard", "false", "--ray-client-server-port", str(free_port()),
              *_node_ports(), *_ray_args(nodes[0])],
-            {**base, **_node_env(nodes[0])},
+            cluster.node_env(nodes[0]),
         )  # fmt: skip
-        for i, node in enumerate(nodes[1:]):
-            joining = {**base, **_node_env(node)}
-            if token:
-                joining["RAY_AUTH_MODE"] = "token"
-            _ray_start(
-                ["--address", cluster.address, "--num-cpus", "1", "--temp-dir",
-                 str(home / f"w{i}"), *_node_ports(), *_ray_args(node)],
-                joining,
-            )  # fmt: skip
+        for node in nodes[1:]:
+            cluster.join(node)
         yield cluster
     finally:
         stop_processes(cluster.processes())

@@ -199,3 +199,23 @@ def test_node_names_add_the_id_only_where_hosts_repeat():
         [info("aaaaaa11", "gpu1"), info("bbbbbb22", "gpu2"), info("cccccc33", "gpu2")]
     )
     assert names == ["gpu1", "gpu2-bbbbbb", "gpu2-cccccc"]
+
+
+def test_a_node_that_joins_takes_jobs_from_the_next_decision_on():
+    policy = cluster(2)
+    policy.submit([job(0, 2), job(1, 2), job(2, 1)])
+    assert placed(policy.schedule()) == {0: ("n0", ("0", "1"))}
+    policy.add_node(Node("n9", "late", cards(4), 1))
+    where = placed(policy.schedule())
+    assert where == {1: ("n9", ("0", "1")), 2: ("n9", ("2",))}
+    with pytest.raises(ValueError, match="already in the run"):
+        policy.add_node(Node("n9", "late", cards(4), 1))
+
+
+def test_a_job_too_large_for_every_node_is_skipped_before_a_larger_one_joins():
+    policy = cluster(2)
+    policy.submit([job(0, 4)])
+    (decision,) = policy.schedule()
+    assert isinstance(decision, Unschedulable)
+    policy.add_node(Node("n9", "late", cards(4), 1))
+    assert policy.schedule() == []

@@ -96,7 +96,8 @@ def test_a_ray_task_for_a_gpu_waits_until_the_run_releases_the_cards(gpu_cluster
     run = start_gpusched(tmp_path, "run", ".", "--ray", cluster.address, env=cluster.env())
     task = None
     try:
-        _wait(lambda: started(tmp_path), 90, "the file to start")
+        _wait(lambda: started(tmp_path) or run.poll() is not None, 90, "the file to start")
+        assert started(tmp_path), (tmp_path / "gpusched.out").read_text()
         task = _ray_job(cluster, TASK)
         assert task.stdout.readline().strip() == "submitted"
         code = run.wait(timeout=hang_guard(90))
