@@ -108,7 +108,10 @@ class DistributedTimeoutError(TimeoutError):
         self.stacks = dict(stacks or {})
         text = f"run_distributed timed out after {timeout_s:g} s; ranks still running: {pending}"
         for rank in pending:
-            stack = self.stacks.get(rank, "").strip() or "(no stack: the rank did not answer)"
+            stack = self.stacks.get(rank, "").strip() or (
+                "(no stack: the rank had not started running fn yet; start-up counts "
+                "in the timeout)"
+            )
             text += f"\n\nStack of rank {rank} at the timeout:\n{stack}"
         super().__init__(text)
 
@@ -142,24 +145,26 @@ class RankLogs:
         return tail_text(self.path(rank, kind), max_bytes)
 
     def sections(self, max_bytes: int) -> list[tuple[str, str]]:
-        """Report sections, one per non-empty file, each at most ``max_bytes``.
+        """Report sections ``(key, text)``, one per non-empty file, each at most ``max_bytes``.
 
-        Named ``Captured stdout rank <r>`` / ``Captured stderr rank <r>`` so that
-        pytest's JUnit writer files them under ``system-out`` / ``system-err``.
+        Keys start with ``stdout`` or ``stderr`` (``stderr rank 1 stack at the
+        timeout``): pytest titles a section added with ``add_report_section``
+        ``Captured <key> <phase>``, and its JUnit writer files ``Captured stdout``
+        / ``Captured stderr`` sections under ``system-out`` / ``system-err``.
         """
         found = []
         for rank in range(self.world_size):
             for kind, name in (("out", "stdout"), ("err", "stderr")):
                 text = self.read(rank, kind, max_bytes)
                 if text.strip():
-                    found.append((f"Captured {name} rank {rank}", text))
+                    found.append((f"{name} rank {rank}", text))
             stack = self.read(rank, "stack", max_bytes)
             if stack.strip():
-                found.append((f"Captured stderr rank {rank} stack at the timeout", stack))
+                found.append((f"stderr rank {rank} stack at the timeout", stack))
             for log in self.nccl_logs(rank):
                 text = tail_text(log, max_bytes)
                 if text.strip():
-                    found.append((f"Captured stderr rank {rank} {log.name}", text))
+                    found.append((f"stderr rank {rank} {log.name}", text))
         return found
 
     def tails(self, ranks: list[int], lines: int = _TAIL_LINES) -> str:
@@ -540,8 +545,8 @@ def run_distributed(
             result = _collect(run, logs, world_size, timeout_s, deadline)
             finished = True
             return result
-        except DistributedTimeoutError:
-            logs.failed = True
+        except (DistributedTimeoutError, DistributedRankError):
+            logs.failed = True  # explained already: its stacks, or the rank that failed
             raise
         except BaseException:
             logs.failed = True

@@ -67,6 +67,7 @@ _GUARD = pytest.StashKey[GuardDecision]()
 _HEADER = pytest.StashKey[list[str]]()
 _RANK_LOGS = pytest.StashKey[list[RankLogs]]()
 _TEST_CLUSTER = pytest.StashKey["_TestInCluster"]()
+_REPORTED = pytest.StashKey[int]()
 
 _CLUSTER_FIXTURES = ("e2e_ray", "e2e_ray_gpu1", "e2e_ray_gpu2")
 _CLUSTER_KEYS = ("num_cpus", "num_gpus", "host_env")
@@ -361,28 +362,33 @@ def e2e_distributed_gpu2(request: pytest.FixtureRequest, tmp_path: Path) -> Dist
 
 # --- reports ------------------------------------------------------------------------------
 
-_REPORTED = pytest.StashKey[int]()
-
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
-    """Attach the ranks' output, and on failure the Ray workers' logs, to the report."""
-    report = yield
+    """Attach the ranks' output, and on failure the Ray workers' logs, to the test's report.
+
+    As report sections of the item (``Captured stdout rank 0 call``, ...), added
+    before pytest builds the report: every later report of the test carries
+    them too, and pytest's JUnit writer, which reads the teardown report, files
+    them under ``system-out`` / ``system-err`` as ``junit_logging`` says.
+    """
     settings = item.config.stash.get(_SETTINGS, None)
-    if settings is None:
-        return report
-    runs = item.stash.get(_RANK_LOGS, [])
-    reported = item.stash.get(_REPORTED, 0)
-    for logs in runs[reported:]:
-        report.sections.extend(logs.sections(settings.log_bytes))
-    item.stash[_REPORTED] = len(runs)
-    test = item.stash.get(_TEST_CLUSTER, None)
-    if test is not None and report.failed and report.when in ("setup", "call"):
-        logged = test.worker_logs.since_mark(settings.log_bytes)
-        if logged:
-            report.sections.append(("Captured stderr ray worker logs", logged))
-    if test is not None and report.when == "teardown" and test.removed:
-        report.sections.append(
-            ("e2e leftovers removed from the shared cluster", "\n".join(test.removed))
-        )
-    return report
+    if settings is not None:
+        runs = item.stash.get(_RANK_LOGS, [])
+        for logs in runs[item.stash.get(_REPORTED, 0) :]:
+            for key, text in logs.sections(settings.log_bytes):
+                item.add_report_section(call.when, key, text)
+        item.stash[_REPORTED] = len(runs)
+        test = item.stash.get(_TEST_CLUSTER, None)
+        failed = call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception)
+        if test is not None and failed and call.when in ("setup", "call"):
+            logged = test.worker_logs.since_mark(settings.log_bytes)
+            if logged:
+                item.add_report_section(call.when, "stderr ray worker logs", logged)
+        if test is not None and call.when == "teardown" and test.removed:
+            item.add_report_section(
+                "teardown",
+                "stderr e2e leftovers removed from the shared cluster",
+                "\n".join(test.removed),
+            )
+    return (yield)

@@ -12,7 +12,9 @@ token is used or changed), its own ports and a private temp dir, and
 It is stopped whatever happens, never with ``ray stop`` (which stops every Ray
 cluster on the machine): the blocking ``ray start`` gets SIGTERM and stops what
 it started; then anything left of its process tree, and any process still
-naming its temp dir, is killed.
+naming its temp dir, is killed. Its ports are chosen where no other process
+on the machine is handed one (:func:`quiet_ports`), and a start that dies
+on a missed Ray start-up deadline is tried again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
+import re
 import secrets
 import shutil
 import signal
@@ -31,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,31 +81,104 @@ class JobCluster:
     ) -> subprocess.CompletedProcess[str]:
         """``ray job submit --runtime-env-json ... -- ENTRYPOINT``; wait for the job's end.
 
-        Retried while the job agent has not registered yet. The result carries
-        the job's output (``ray job submit`` follows its logs).
+        The job gets a submission id of its own, so a request the job server
+        dropped (a reset connection on a loaded machine) is sent again without
+        running the job twice; the same for "No available agent" right after
+        start-up. The result's ``returncode`` is 0 when the job succeeded, its
+        ``stdout`` the job's logs and final status.
         """
-        command = [RAY, "job", "submit", "--address", self.url]
+        submission_id = f"e2e-{secrets.token_hex(6)}"
+        command = ["job", "submit", "--address", self.url, "--submission-id", submission_id]
         if runtime_env is not None:
             command += ["--runtime-env-json", json.dumps(dict(runtime_env))]
-        command += ["--", *entrypoint]
+        command += ["--no-wait", "--", *entrypoint]
         deadline = time.monotonic() + timeout_s
+        sent = self._ray(command, deadline, accept=("already exists",))
+        if sent.returncode != 0 and "already exists" not in sent.stdout + sent.stderr:
+            return sent
+        status = ""
+        while time.monotonic() < deadline:
+            asked = self._ray(["job", "status", "--address", self.url, submission_id], deadline)
+            status = job_status(asked.stdout + asked.stderr) or status
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(1)
+        logs = self._ray(["job", "logs", "--address", self.url, submission_id], deadline)
+        return subprocess.CompletedProcess(
+            [RAY, *command],
+            0 if status == "SUCCEEDED" else 1,
+            stdout=f"{logs.stdout}\njob {submission_id}: {status or 'no status before the deadline'}\n",
+            stderr=sent.stderr + logs.stderr,
+        )
+
+    def _ray(
+        self, args: Sequence[str], deadline: float, accept: Sequence[str] = ()
+    ) -> subprocess.CompletedProcess[str]:
+        """One ``ray`` CLI call, sent again while the server is not ready or dropped it."""
         while True:
             left = max(deadline - time.monotonic(), 1)
             done = subprocess.run(
-                command, env=self.env, capture_output=True, text=True, timeout=left
+                [RAY, *args], env=self.env, capture_output=True, text=True, timeout=left
             )
-            if "No available agent" not in done.stdout + done.stderr or time.monotonic() > deadline:
+            text = done.stdout + done.stderr
+            transient = (
+                done.returncode != 0
+                and any(sign in text for sign in _TRANSIENT)
+                and not any(sign in text for sign in accept)
+            )
+            if not transient or time.monotonic() > deadline:
                 return done
             time.sleep(1)
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports (all held open at once, then released)."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
+# What a job server still starting up, or dropping a request under load, answers.
+_TRANSIENT = (
+    "No available agent",
+    "RemoteDisconnected",
+    "Connection aborted",
+    "ConnectionError",
+    "Connection refused",
+    "Failed to connect",
+)
+
+
+def job_status(text: str) -> str | None:
+    """The job status ``ray job status`` printed: ``SUCCEEDED``, ``FAILED``, ``STOPPED``,
+    ``PENDING`` or ``RUNNING`` (Ray 2.60 prints "Job 'ID' succeeded" for the final ones)."""
+    final = re.search(r"Job '[^']*' (succeeded|failed|was stopped)", text)
+    if final:
+        return {"succeeded": "SUCCEEDED", "failed": "FAILED", "was stopped": "STOPPED"}[
+            final.group(1)
+        ]
+    running = re.search(r"Status for job '[^']*': (\w+)", text)
+    return running.group(1) if running else None
+
+
+def quiet_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports that nothing else on the machine is handed meanwhile.
+
+    ``ray start`` binds some of its ports 10-20 s after it is given them (its
+    agents start after the dashboard), so a port probed with ``bind(0)`` and
+    released can be taken by another process in between: every ``bind(0)`` and
+    ``connect()`` on the machine draws from ``ip_local_port_range``, and Ray then
+    fails with "Address already in use" and ``ray start --block`` exits. These
+    ports come from outside that range, and above Ray's worker ports (10002-19999).
+    """
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = [port for port in range(20000, 65536) if not low <= port <= high]
+    found: list[int] = []
+    for port in random.sample(candidates, len(candidates)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise JobClusterError(f"fewer than {n} free ports outside {low}-{high}")
 
 
 def cluster_env(token: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -117,32 +194,43 @@ def cluster_env(token: str, base: Mapping[str, str] | None = None) -> dict[str, 
     return env
 
 
-def _wait_for_dashboard(
-    url: str, token: str, head: subprocess.Popen, log: Path, timeout_s: float
-) -> None:
-    """Until the dashboard answers an authenticated request (the job API lives there)."""
+def _wait_until_up(
+    url: str, token: str, head: subprocess.Popen, log: Path, since: int, timeout_s: float
+) -> bool:
+    """True once ``ray start`` blocks (its node registered) and the dashboard answers.
+
+    False when ``ray start`` exited while starting: Ray's start-up deadlines (the
+    raylet waits 15 s for its dashboard agent, ``ray start`` 30 s for the raylet)
+    can pass on a loaded machine.
+
+    Raises:
+        JobClusterError: not up within ``timeout_s``, or the dashboard refuses the token.
+    """
     request = urllib.request.Request(
         f"{url}/api/version", headers={"Authorization": f"Bearer {token}"}
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if head.poll() is not None:
-            raise JobClusterError(
-                f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}"
-            )
-        try:
-            with urllib.request.urlopen(request, timeout=1):
-                return
-        except urllib.error.HTTPError as err:
-            if err.code in (401, 403):
-                raise JobClusterError(
-                    f"the dashboard at {url} refused this cluster's own token ({err})"
-                ) from None
-            time.sleep(0.5)
-        except OSError:
-            time.sleep(0.5)
+            return False
+        if "will now block forever" in log.read_text(errors="replace")[since:]:
+            try:
+                with urllib.request.urlopen(request, timeout=1):
+                    pass
+            except urllib.error.HTTPError as err:
+                if err.code in (401, 403):
+                    raise JobClusterError(
+                        f"the dashboard at {url} refused this cluster's own token ({err})"
+                    ) from None
+            except OSError:
+                pass
+            else:
+                time.sleep(2)  # a process that missed a deadline just before exits now
+                if head.poll() is None:
+                    return True
+        time.sleep(0.5)
     raise JobClusterError(
-        f"Ray dashboard at {url} not up after {timeout_s:g} s:\n{log.read_text()[-3000:]}"
+        f"Ray at {url} not up after {timeout_s:g} s:\n{log.read_text(errors='replace')[-3000:]}"
     )
 
 
@@ -192,46 +280,68 @@ def head_cluster(
     start_timeout_s: float = 450,
     stop_grace_s: float = 200,
     extra_args: Sequence[str] = (),
+    attempts: int = 3,
 ) -> Iterator[JobCluster]:
     """Run ``ray start --head --block`` on loopback; yield it; always stop it.
 
+    Started again, on new ports and in a new temp dir, when it exits while
+    starting (a start-up deadline missed on a loaded machine), ``attempts``
+    times at most; every attempt is logged to ``log``.
+
     Raises:
-        JobClusterError: ``ray start`` exited, or its dashboard did not answer
-            within ``start_timeout_s``; the message ends with its log.
+        JobClusterError: no attempt came up; the message ends with the log.
     """
-    ports = dict(zip(_PORT_OPTIONS, _free_ports(len(_PORT_OPTIONS)), strict=True))
-    temp_dir = Path(tempfile.mkdtemp(prefix="rj", dir=short_temp_root()))
+    root = Path(tempfile.mkdtemp(prefix="rj", dir=short_temp_root()))
     token = secrets.token_hex(32)
     env = cluster_env(token)
-    command = [
-        RAY,
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        "--dashboard-host=127.0.0.1",
-        "--include-dashboard=true",
-        f"--num-cpus={num_cpus}",
-        "--num-gpus=0",
-        f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-        *(f"{option}={port}" for option, port in ports.items()),
-        *extra_args,
-    ]
-    cluster = JobCluster(
-        url=f"http://127.0.0.1:{ports['--dashboard-port']}", temp_dir=temp_dir, log=log, env=env
-    )
+    log.touch()
     try:
-        with log.open("w") as out:
-            head = subprocess.Popen(
-                command, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
+        for attempt in range(1, attempts + 1):
+            ports = dict(zip(_PORT_OPTIONS, quiet_ports(len(_PORT_OPTIONS)), strict=True))
+            temp_dir = root / str(attempt)
+            temp_dir.mkdir()
+            command = [
+                RAY,
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                "--dashboard-host=127.0.0.1",
+                "--include-dashboard=true",
+                f"--num-cpus={num_cpus}",
+                "--num-gpus=0",
+                f"--temp-dir={temp_dir}",
+                "--disable-usage-stats",
+                *(f"{option}={port}" for option, port in ports.items()),
+                *extra_args,
+            ]
+            url = f"http://127.0.0.1:{ports['--dashboard-port']}"
+            since = log.stat().st_size
+            with log.open("a") as out:
+                out.write(f"--- attempt {attempt}: {' '.join(command)}\n")
+                out.flush()
+                head = subprocess.Popen(
+                    command, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
+                )
+            try:
+                up = _wait_until_up(url, token, head, log, since, start_timeout_s)
+            except BaseException:
+                _stop(head, _tree(head.pid), temp_dir, stop_grace_s)
+                raise
+            if up:
+                break
+            _stop(head, _tree(head.pid), temp_dir, stop_grace_s)
+        else:
+            raise JobClusterError(
+                f"ray start exited while starting, {attempts} times:\n"
+                f"{log.read_text(errors='replace')[-3000:]}"
             )
+        cluster = JobCluster(url=url, temp_dir=temp_dir, log=log, env=env)
         try:
-            _wait_for_dashboard(cluster.url, token, head, log, start_timeout_s)
             yield cluster
         finally:
             # Workers leave the process group, but stay in the process tree.
             cluster.tree = _tree(head.pid)
             _stop(head, cluster.tree, temp_dir, stop_grace_s)
     finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)

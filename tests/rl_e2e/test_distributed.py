@@ -186,9 +186,9 @@ def test_a_hang_explains_itself_with_every_ranks_stack(tmp_path: Path) -> None:
     assert _children_of_this_process() == []
     (logs,) = seen
     sections = dict(logs.sections(10_000))
-    assert sections["Captured stdout rank 0"].strip() == "hello from rank 0"
-    assert "warning from rank 1" in sections["Captured stderr rank 1"]
-    assert "_stuck_in_a_named_frame" in sections["Captured stderr rank 1 stack at the timeout"]
+    assert sections["stdout rank 0"].strip() == "hello from rank 0"
+    assert "warning from rank 1" in sections["stderr rank 1"]
+    assert "_stuck_in_a_named_frame" in sections["stderr rank 1 stack at the timeout"]
 
 
 def test_a_raising_rank_comes_with_the_other_ranks_output() -> None:
@@ -204,7 +204,7 @@ def test_sections_are_bounded(tmp_path: Path) -> None:
     logs = RankLogs(tmp_path, 1, "gloo")
     logs.path(0, "err").write_text("x" * 5000 + "END")
     ((name, text),) = logs.sections(100)
-    assert name == "Captured stderr rank 0"
+    assert name == "stderr rank 0"
     assert text.endswith("END") and "first 4903 bytes left out" in text and len(text) < 200
 
 

@@ -38,11 +38,6 @@ DOWNSTREAM = REPO / "examples" / "downstream"
 GPUSCHED = str(Path(sys.executable).with_name("gpusched"))
 MARK_VAR = "DOWNSTREAM_RUN_MARK"  # every process a run starts inherits it
 
-# Until rl_e2e puts its sections on the teardown report, from which pytest's
-# JUnit writer takes captured output, only a failed call report writes them,
-# and it does so only with junit_log_passing_tests off.
-JUNIT_WORKAROUND = ["-o", "junit_log_passing_tests=false"]
-
 
 @dataclass
 class Run:
@@ -133,13 +128,15 @@ def _check_console(output: str) -> None:
 
     raised = blocks["test_a_rank_raises"]
     assert "DistributedRankError: rank 0 raised ValueError: rank 0 found a NaN" in raised
-    assert "rank 1 reached the barrier" in _section(raised, "Captured stdout rank 1")
-    assert "found a NaN" in _section(raised, "Captured stderr rank 0")
+    assert "rank 1 reached the barrier" in _section(raised, "Captured stdout rank 1 call")
+    assert "found a NaN" in _section(raised, "Captured stderr rank 0 call")
 
     cut = blocks["test_a_hang_cut_by_pytest_timeout"]
     assert "Timeout (>60.0s) from pytest-timeout" in cut
-    assert "in _rank_one_hangs" in _section(cut, "Captured stderr rank 0 stack at the timeout")
-    assert "in wait_for_weights" in _section(cut, "Captured stderr rank 1 stack at the timeout")
+    assert "in _rank_one_hangs" in _section(cut, "Captured stderr rank 0 stack at the timeout call")
+    assert "in wait_for_weights" in _section(
+        cut, "Captured stderr rank 1 stack at the timeout call"
+    )
 
     timed_out = blocks["test_a_hang_cut_by_the_runners_timeout"]
     assert "run_distributed timed out after 60 s; ranks still running: [0, 1]" in timed_out
@@ -148,7 +145,7 @@ def _check_console(output: str) -> None:
 
     ray_failed = blocks["test_a_ray_test_fails_after_a_worker_printed"]
     assert "AssertionError: rewards are not lengths" in ray_failed
-    assert "scoring 3 texts" in _section(ray_failed, "Captured stderr ray worker logs")
+    assert "scoring 3 texts" in _section(ray_failed, "Captured stderr ray worker logs call")
 
 
 def _check_junit(path: Path) -> None:
@@ -198,7 +195,7 @@ def test_the_suite_passes_under_gpusched():
 def test_failing_reports_under_pytest(tmp_path):
     """``failing/`` with pytest: each report carries the ranks' and workers' output; (e) passes."""
     junit = tmp_path / "junit.xml"
-    run = _run(sys.executable, "-m", "pytest", "failing", f"--junitxml={junit}", *JUNIT_WORKAROUND)
+    run = _run(sys.executable, "-m", "pytest", "failing", f"--junitxml={junit}")
     assert run.returncode == 1, run.output[-5000:]
     assert re.search(r"^=+ 4 failed, 2 passed in ", run.last_line), run.output[-3000:]
     _check_console(run.output)
@@ -209,10 +206,7 @@ def test_failing_reports_under_pytest(tmp_path):
 def test_failing_reports_under_gpusched(tmp_path):
     """The same reports reach gpusched's console and its merged JUnit XML."""
     junit = tmp_path / "junit.xml"
-    run = _run(
-        GPUSCHED, "run", "failing", "--simulate-gpus", "2", "--junitxml", str(junit),
-        "--", *JUNIT_WORKAROUND,
-    )  # fmt: skip
+    run = _run(GPUSCHED, "run", "failing", "--simulate-gpus", "2", "--junitxml", str(junit))
     assert run.returncode == 1, run.output[-5000:]
     assert run.last_line == "gpusched: 2 passed, 4 failed, 0 skipped", run.output[-5000:]
     _check_console(run.output)
