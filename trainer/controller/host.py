@@ -19,8 +19,8 @@ import ray
 import torch
 
 from trainer.controller.errors import WorkerError
-from trainer.controller.worker import Worker, WorkerContext, create_worker
 from trainer.controller.rendezvous import free_port
+from trainer.controller.worker import Worker, WorkerContext, create_worker
 
 __all__ = ["WorkerHost"]
 
