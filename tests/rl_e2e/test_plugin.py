@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from deadlines import hang_guard
@@ -244,3 +245,19 @@ def test_a_gpu_runner_refuses_more_ranks_than_its_cards(tmp_path):
     runner = DistributedRunner("nccl", 60, tmp_path, lambda logs: None, max_world_size=1)
     with pytest.raises(ValueError, match="world_size=2 exceeds the 1 GPU"):
         runner(print, 2)
+
+
+def test_the_guides_quickstart_works_when_pasted_into_a_fresh_repository(pytester):
+    """The two files of docs/e2e.md's Quickstart, as written there, make a passing suite."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "e2e.md").read_text()
+    quickstart = page.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    files = {}
+    for block in re.findall(r"```python\n(.*?)```", quickstart, re.S):
+        name = re.match(r"# (\S+)", block).group(1).rstrip(",")
+        files[name] = block
+    assert set(files) == {"conftest.py", "tests/test_workers.py"}
+    for name, text in files.items():
+        (pytester.path / name).parent.mkdir(parents=True, exist_ok=True)
+        (pytester.path / name).write_text(text)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=hang_guard(120))
+    result.assert_outcomes(passed=1)
