@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -260,6 +261,9 @@ def leftovers() -> list[str]:
     run.wait()
     time.sleep(5)
     left = _alive(tree)
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            print(f"left after SIGKILL: {proc.pid} {' '.join(proc.cmdline())[:150]}")
     temp_dir = out.read_text() if out.exists() else "?"
     rows.append(
         f"| pytest killed with SIGKILL mid-test ({len(tree)} processes: Ray and 2 ranks) | "

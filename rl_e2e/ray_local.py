@@ -5,7 +5,8 @@ cluster ``RAY_ADDRESS`` or a stale address file points to; ``RAY_ADDRESS`` is
 removed while it runs), its own short temp dir (Ray's socket paths must stay
 under 107 bytes), no dashboard, bounded CPUs, and the given runtime env. It is
 shut down whatever happens, with ``ray.shutdown()`` and never ``ray stop``
-(which stops every cluster on the node).
+(which stops every cluster on the node); a reaper (``rl_e2e.reaper``) kills
+what is left of it, even after the test process was killed with SIGKILL.
 
 Between tests of a shared cluster, :class:`Leftovers` removes the actors and
 placement groups a finished test left behind (a failed test's actors would
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_e2e.distributed import tail_text
+from rl_e2e.reaper import start_reaper
 
 __all__ = ["Leftovers", "RayCluster", "WorkerLogs", "local_cluster", "short_temp_root"]
 
@@ -78,16 +80,20 @@ def local_cluster(
         )
     saved_address = os.environ.pop("RAY_ADDRESS", None)
     temp_dir = Path(tempfile.mkdtemp(prefix="ray", dir=short_temp_root()))
+    reaper = start_reaper()  # Ray's processes inherit its tag
     try:
-        context = ray.init(
-            address="local",  # never a cluster a crashed `ray start` recorded
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            include_dashboard=False,
-            runtime_env=runtime_env,
-            _temp_dir=str(temp_dir),
-            **init_kwargs,
-        )
+        try:
+            context = ray.init(
+                address="local",  # never a cluster a crashed `ray start` recorded
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                _temp_dir=str(temp_dir),
+                **init_kwargs,
+            )
+        finally:
+            os.environ.pop(reaper.variable, None)  # the test's own children are not Ray's
         yield RayCluster(
             address=context.address_info["gcs_address"],
             temp_dir=temp_dir,
@@ -97,6 +103,7 @@ def local_cluster(
         )
     finally:
         ray.shutdown()
+        reaper.close()  # and anything of the cluster that outlived the shutdown
         shutil.rmtree(temp_dir, ignore_errors=True)
         if saved_address is not None:
             os.environ["RAY_ADDRESS"] = saved_address
