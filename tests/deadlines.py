@@ -16,9 +16,25 @@ under test, not a guard.
 
 from __future__ import annotations
 
+import time
+
 PATIENCE = 5.0
 
 
 def hang_guard(quiet_bound_s: float) -> float:
     """Seconds to wait for work that ends within ``quiet_bound_s`` on a quiet machine."""
     return quiet_bound_s * PATIENCE
+
+
+def wait_until(predicate, quiet_bound_s: float, what: str, poll_s: float = 0.1):
+    """Poll ``predicate`` until it returns something true, and return that.
+
+    Raises ``AssertionError`` naming ``what`` after ``hang_guard(quiet_bound_s)``.
+    """
+    deadline = time.monotonic() + hang_guard(quiet_bound_s)
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
-from deadlines import hang_guard
+from deadlines import hang_guard, wait_until
 
 from conftest import (
     records,
@@ -60,16 +59,6 @@ def held_file(root: Path, release: Path) -> str:
     )
 
 
-def _wait(predicate, bound: float, what: str):
-    deadline = time.monotonic() + hang_guard(bound)
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_nodes_that_join_take_files_unless_their_versions_differ(small_cluster_shared, tmp_path):
     cluster = small_cluster_shared
     release = tmp_path / "release"
@@ -82,11 +71,11 @@ def test_nodes_that_join_take_files_unless_their_versions_differ(small_cluster_s
     try:
         # The first files hold the head's cards until the two nodes have joined (however
         # long `ray start` takes here): the others wait, so the run is still on.
-        _wait(lambda: started(tmp_path) or run.poll() is not None, 90, "the first file")
+        wait_until(lambda: started(tmp_path) or run.poll() is not None, 90, "the first file")
         assert started(tmp_path), output.read_text()
         for node in ({"GPUSCHED_SIMULATE_GPUS": "2"}, ODD):
             cluster.join(node)
-        _wait(
+        wait_until(
             lambda: "joined the run" in output.read_text() and "not used" in output.read_text(),
             60,
             "the driver to take in the new nodes",

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from deadlines import hang_guard
+from deadlines import hang_guard, wait_until
 
 from conftest import (
     gpusched,
@@ -80,23 +80,13 @@ def _ray_job(cluster, source: str) -> subprocess.Popen:
     )
 
 
-def _wait(predicate, bound: float, what: str):
-    deadline = time.monotonic() + hang_guard(bound)
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_ray_task_for_a_gpu_waits_until_the_run_releases_the_cards(gpu_cluster_shared, tmp_path):
     cluster = gpu_cluster_shared
     write_suite(tmp_path, {"test_long.py": recording_file(tmp_path, 1, 6.0)})
     run = start_gpusched(tmp_path, "run", ".", "--ray", cluster.address, env=cluster.env())
     task = None
     try:
-        _wait(lambda: started(tmp_path) or run.poll() is not None, 90, "the file to start")
+        wait_until(lambda: started(tmp_path) or run.poll() is not None, 90, "the file to start")
         assert started(tmp_path), (tmp_path / "gpusched.out").read_text()
         task = _ray_job(cluster, TASK)
         assert task.stdout.readline().strip() == "submitted"

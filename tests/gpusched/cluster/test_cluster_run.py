@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import xml.etree.ElementTree as ET
 
 import pytest
-from deadlines import hang_guard
+from deadlines import hang_guard, wait_until
 
 from conftest import (
     extra_node,
@@ -29,16 +28,6 @@ from conftest import (
 def _node_of(tag: str) -> str:
     """The node part of a job tag (``RUN-NODE-JOB-ATTEMPT``): the start of the node's id."""
     return tag.split("-")[1]
-
-
-def _wait(predicate, bound: float, what: str):
-    deadline = time.monotonic() + hang_guard(bound)
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_files_spread_over_nodes_on_node_local_cards(cluster_shared, tmp_path):
@@ -127,7 +116,7 @@ def test_node_removed_mid_run_has_its_files_run_elsewhere(cluster_shared, tmp_pa
             tmp_path, "run", ".", "--ray", cluster_shared.address, "--json", "r.json"
         )
         try:
-            on_it = _wait(
+            on_it = wait_until(
                 lambda: [t for t in started(tmp_path) if _node_of(t) == short],
                 60,
                 "a file on the extra node",
@@ -149,7 +138,7 @@ def test_node_removed_mid_run_has_its_files_run_elsewhere(cluster_shared, tmp_pa
     assert all(e["outcome"] == "PASSED" for e in report["files"])
     # The lost node's file did not outlive its node: its watchdog killed it.
     run_id = on_it[0].split("-")[0]
-    _wait(
+    wait_until(
         lambda: not [p for p in run_processes(f"{run_id}-{short}")],
         15,
         "the lost node's files to be gone",
@@ -175,7 +164,7 @@ def test_ctrl_c_kills_every_file_on_every_node(cluster_shared, tmp_path):
         "2",
     )
     try:
-        tags = _wait(
+        tags = wait_until(
             lambda: len(started(tmp_path)) >= 3 and started(tmp_path), 60, "three running files"
         )
         run_id = next(iter(tags)).split("-")[0]
