@@ -99,8 +99,8 @@ def _train_step(model, opt, batch) -> None:
 
 
 def _rank(rank: int, world: int, model_dir: str, mode: str, out: str) -> dict:
+    from trainer import fsdp
     from trainer.config import OptimConfig
-    from trainer.workers import fsdp
     from trainer.workers.setup import build_actor, build_optimizer
     from trainer.workers.state import CheckpointSaver
 

@@ -27,7 +27,6 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from trainer import batch as B
 from trainer.controller import (
     Dispatch,
     ResourcePool,
@@ -35,6 +34,7 @@ from trainer.controller import (
     Worker,
     create_role_groups,
 )
+from trainer.data import batch as B
 
 SIZES = {"1 KB": 1 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
 COLUMNS = 64  # float32 values per row

@@ -20,7 +20,7 @@ import asyncio
 import statistics
 import time
 
-from trainer.tools import Tool, ToolCall, ToolExecutor
+from trainer.rollout.tools import Tool, ToolCall, ToolExecutor
 
 
 class Sleep(Tool):

@@ -2,7 +2,7 @@
 
 Both run the same configuration (model, batch, algorithm) in this one
 process's run, one after the other: first the plain reference loop
-(:mod:`trainer.reference_loop`, no Ray) with 1 and with N torch threads, then
+(:mod:`trainer.loop.reference`, no Ray) with 1 and with N torch threads, then
 the single-controller trainer with N Ray workers of 1 thread each. Warm-up
 iterations are excluded; Ray start-up is reported on its own line. The ratio
 trainer / best reference is the cost of the single controller.
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(base_overrides)
     rows: list[tuple[str, float, float]] = []
 
-    from trainer.reference_loop import ReferenceLoop
+    from trainer.loop.reference import ReferenceLoop
 
     for threads in sorted({1, args.workers}):
         torch.set_num_threads(threads)
@@ -127,16 +127,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from trainer.data import build_datasets
+    from trainer.data.prompts import build_datasets
     from trainer.launch.runtime_env import get_runtime_env
-    from trainer.models import load_tokenizer, resolve_model_path
-    from trainer.ppo import (
+    from trainer.loop.ppo import (
         PPOTrainer,
         build_worker_groups,
         resolve_reward_fn,
         response_length,
         shutdown_worker_groups,
     )
+    from trainer.models import load_tokenizer, resolve_model_path
 
     t0 = time.perf_counter()
     ray.init(

@@ -110,9 +110,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _prompts(model_dir: str, n_prompts: int, n: int):
     """The synthetic task's first ``n_prompts`` prompts, each repeated ``n`` times in place."""
-    from trainer import batch as batch_ops
     from trainer.config import load_config
-    from trainer.data import build_datasets
+    from trainer.data import batch as batch_ops
+    from trainer.data.prompts import build_datasets
     from trainer.models import load_tokenizer
 
     tok = load_tokenizer(model_dir)

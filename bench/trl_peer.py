@@ -67,7 +67,7 @@ def decode_like_trainer(
     The final EOS is dropped; other special tokens are dropped too unless
     ``skip_special_tokens`` is false (the trainer's ``reward.skip_special_tokens``).
     """
-    from trainer.ppo import decode_responses
+    from trainer.loop.ppo import decode_responses
 
     width = max((len(ids) for ids in completion_ids), default=0)
     responses = torch.zeros((len(completion_ids), width), dtype=torch.long)

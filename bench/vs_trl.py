@@ -422,7 +422,7 @@ def check_same_prompt_ids(model_dir: Path, rows: list[dict[str, str]]) -> None:
     """Fail unless the trainer's and TRL's tokenization of the prompts agree."""
     from transformers import AutoTokenizer
 
-    from trainer.data import encode_prompt
+    from trainer.data.prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     texts = sorted({r["prompt"] for r in rows})

@@ -112,12 +112,13 @@ def run_trainer(
     """``PPOTrainer.train_step`` on each fixed batch; saves gradients and parameters."""
     from vs_trl import trainer_overrides
 
+    from trainer import fsdp
     from trainer.config import load_config
-    from trainer.data import build_datasets
+    from trainer.data.prompts import build_datasets
+    from trainer.loop.ppo import PPOTrainer, resolve_reward_fn, response_length
     from trainer.models import load_tokenizer, resolve_model_path
-    from trainer.ppo import PPOTrainer, resolve_reward_fn, response_length
     from trainer.rollout.base import finish_responses
-    from trainer.workers import ActorRolloutRefWorker, fsdp
+    from trainer.workers import ActorRolloutRefWorker
 
     work = out_path.parent
     cfg = load_config(

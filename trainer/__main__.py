@@ -23,7 +23,7 @@ from typing import Any
 from trainer import DISTRIBUTION, __version__
 from trainer.cli_help import config_keys, format_keys, section_docs
 from trainer.config import Config, ConfigError, load_config, to_dict
-from trainer.progress import Progress as _Progress  # a bar on a terminal, else plain lines
+from trainer.logging.progress import Progress as _Progress  # a bar on a terminal, else plain lines
 
 USAGE = """usage: python -m trainer [key=value ...]
        python -m trainer --help | --version
@@ -80,7 +80,7 @@ def default_run_dir(cfg: Config) -> Path:
 
 def _local_cpus(cfg: Config) -> int:
     """CPUs for a fresh local cluster: one per worker of every pool the run reserves."""
-    from trainer.ppo import pool_count
+    from trainer.loop.ppo import pool_count
     from trainer.workers.device import CPU_WORKERS
 
     pools, workers = pool_count(cfg), cfg.trainer.num_workers
@@ -134,7 +134,7 @@ def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:
     nothing is started or shut down except this run's worker processes and
     placement groups, which are released before returning (also on error).
     ``colocate=False`` puts the critic on a pool of its own (see
-    :func:`trainer.ppo.build_worker_groups`); the cluster must then have room
+    :func:`trainer.loop.ppo.build_worker_groups`); the cluster must then have room
     for twice ``trainer.num_workers`` processes.
     """
     import ray
@@ -166,11 +166,11 @@ def _prepare(cfg: Config) -> _Prepared:
     """Load tokenizer, data, reward function and resume point; write config.yaml."""
     import torch
 
-    from trainer import checkpoint as ckpt
-    from trainer.data import build_datasets
-    from trainer.episodes import tool_schemas
+    from trainer.checkpoints import store as ckpt
+    from trainer.data.prompts import build_datasets
+    from trainer.loop.ppo import resolve_reward_fn, response_length
     from trainer.models import load_tokenizer, resolve_model_path
-    from trainer.ppo import resolve_reward_fn, response_length
+    from trainer.rollout.episodes import tool_schemas
 
     t0 = time.perf_counter()
     run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else default_run_dir(cfg)
@@ -200,11 +200,11 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
     """Start the worker groups on the running Ray, fit, write outputs, stop the groups."""
     import ray
 
-    from trainer import checkpoint as ckpt
-    from trainer.episodes import TrajectoryLog
-    from trainer.ppo import PPOTrainer, build_worker_groups, shutdown_worker_groups
-    from trainer.trackers import chosen, open_trackers
-    from trainer.tracking import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
+    from trainer.checkpoints import store as ckpt
+    from trainer.logging.metrics import CURVE_FILE, MetricsLogger, plot_reward_curve, read_metrics
+    from trainer.logging.trackers import chosen, open_trackers
+    from trainer.loop.ppo import PPOTrainer, build_worker_groups, shutdown_worker_groups
+    from trainer.rollout.episodes import TrajectoryLog
 
     cfg, run_dir, t0 = p.cfg, p.run_dir, p.t0
     logger = None
@@ -291,7 +291,7 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
 
 def _checkpoint_writer(run_dir: Path, actor: Any, critic: Any, keep: int) -> Any:
     """The driver's checkpoint writer over the actor (and critic) groups: every rank saves."""
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoints import store as ckpt
 
     roles = [g for g in (actor, critic) if g is not None]
 

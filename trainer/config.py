@@ -87,8 +87,18 @@ class RolloutConfig:
     """vllm: sequences an engine schedules at once (verl's default); a worker's rows beyond it
     wait for a second wave of decoding."""
     tis_cap: float = 0.0
-    """vllm: truncated importance sampling of the engine/actor mismatch; each token's policy
-    loss is weighted by min(pi_actor / pi_rollout, tis_cap). 0 turns it off."""
+    """Importance weight cap of the corrected (decoupled) PPO loss: each token's policy loss is
+    weighted by min(pi_actor / pi_rollout, tis_cap), pi_rollout being the engine's log-prob of
+    the token (vllm, or any engine on a rollout pool of its own). 0 turns it off."""
+    tis_mode: str = "truncate"
+    """truncate: weight min(ratio, tis_cap); mask: tokens whose ratio exceeds tis_cap get
+    weight 0, the others their ratio."""
+    workers: int = 0
+    """Workers on a rollout pool of their own, each with its own engine and copy of the
+    policy, pushed to at every step; 0 generates in the actor's workers (colocated)."""
+    staleness: int = 0
+    """k: batches generated ahead while a step trains (asynchronous RL). 0 is the synchronous
+    trainer; k >= 1 needs a rollout pool (rollout.workers=0 then means one worker)."""
     n: int = 8
     """Samples per prompt (a group for GRPO/RLOO)."""
     temperature: float = 1.0
@@ -211,7 +221,7 @@ class TrainerConfig:
     export_final: bool = True
     """At the end of the run, write the policy as a Hugging Face model directory
     (safetensors, config, tokenizer) to <run_dir>/final_model; false skips it
-    (python -m trainer.export exports any checkpoint later)."""
+    (python -m trainer.checkpoints.export exports any checkpoint later)."""
     resume: str = "never"
     """never, auto (latest checkpoint in run_dir), or a checkpoint directory."""
     run_dir: str = ""
@@ -260,6 +270,13 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def rollout_pool_workers(self) -> int:
+        """Workers of the rollout pool: 0 when generation is colocated with the actor."""
+        if self.rollout.workers == 0 and self.rollout.staleness > 0:
+            return 1
+        return self.rollout.workers
 
     @property
     def use_critic(self) -> bool:
@@ -382,9 +399,16 @@ def validate(cfg: Config) -> None:
     _need(r.max_num_seqs >= 1, f"rollout.max_num_seqs={r.max_num_seqs}: must be >= 1")
     _need(r.tis_cap >= 0, f"rollout.tis_cap={r.tis_cap}: must be >= 0 (0 turns it off)")
     _need(
-        r.tis_cap == 0 or r.engine == "vllm",
-        f"rollout.tis_cap={r.tis_cap} corrects the vLLM engine's mismatch: set rollout.engine=vllm",
+        r.tis_cap == 0 or r.engine == "vllm" or cfg.rollout_pool_workers > 0,
+        f"rollout.tis_cap={r.tis_cap} needs the engine's own log-probs: set rollout.engine=vllm, "
+        "or rollout.workers >= 1 (a rollout pool)",
     )
+    _need(
+        r.tis_mode in ("truncate", "mask"),
+        f"rollout.tis_mode={r.tis_mode!r}: choose 'truncate' or 'mask'",
+    )
+    _need(r.workers >= 0, f"rollout.workers={r.workers}: must be >= 0 (0: colocated)")
+    _need(r.staleness >= 0, f"rollout.staleness={r.staleness}: must be >= 0 (0: synchronous)")
     if cfg.algo in ("grpo", "grpo_no_std", "rloo"):
         _need(
             r.n >= 2,
@@ -489,7 +513,7 @@ def validate(cfg: Config) -> None:
 
 def _validate_loggers(t: TrainerConfig) -> None:
     """``trainer.loggers``: known names whose packages are installed (checked before Ray starts)."""
-    from trainer.trackers import problem
+    from trainer.logging.trackers import problem
 
     for name in t.loggers:
         message = problem(name)
@@ -526,7 +550,7 @@ def _validate_multi_turn(cfg: Config) -> None:
         mt.enable or not mt.tools,
         "rollout.multi_turn.tools is set but rollout.multi_turn.enable=false: enable multi-turn",
     )
-    from trainer.tasks import TASKS
+    from trainer.data.tasks import TASKS
 
     task = TASKS.get(cfg.data.task)
     _need(

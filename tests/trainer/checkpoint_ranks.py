@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from trainer import fsdp
 from trainer.config import OptimConfig
 from trainer.models import load_tokenizer
-from trainer.workers import fsdp
 from trainer.workers.compute import PolicyUpdateSettings, compute_log_probs, update_policy
 from trainer.workers.setup import build_actor, build_optimizer
 
@@ -127,7 +127,7 @@ def save_run(
     rank: int, world: int, model_dir: str, batches: list[TensorDict], prompts: TensorDict, out: str
 ) -> dict:
     """Train, save (sync), record the state; then an async save racing the next step; then a failing one."""
-    from trainer.export import write_hf_files
+    from trainer.checkpoints.export import write_hf_files
     from trainer.workers.state import CheckpointSaver, CheckpointWriteError, set_write_hook
 
     model, opt, sched = build(model_dir)
@@ -204,7 +204,7 @@ def kill_run(rank: int, world: int, model_dir: str, run_dir: str, state_file: st
     Before the second save rank 0 writes the full state of checkpoint 1 (a plain
     tensor file the test reads back with ``weights_only=True``) to compare with.
     """
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoints import store as ckpt
     from trainer.workers.state import CheckpointSaver, set_write_hook
 
     model, opt, sched = build(model_dir)

@@ -1,4 +1,4 @@
-"""trainer.algos against values computed by hand on small inputs.
+"""trainer.algorithms.ppo_math against values computed by hand on small inputs.
 
 Each expected number is written out (or derived in one line from the
 docstring's formula) next to the case it comes from, so a reader can check it
@@ -13,8 +13,8 @@ import statistics
 import pytest
 import torch
 
-from trainer import algos
-from trainer.algos import (
+from trainer.algorithms import ppo_math as algos
+from trainer.algorithms.ppo_math import (
     AdaptiveKLController,
     AggNorm,
     FixedKLController,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from deadlines import hang_guard
 
 from rl_e2e.distributed import run_distributed
-from trainer.algos import AGG_MODES, agg_norm, policy_loss
+from trainer.algorithms.ppo_math import AGG_MODES, agg_norm, policy_loss
 
 VOCAB, DIM, BATCH, LENGTH = 11, 8, 8, 6
 LR, STEPS = 0.5, 2

@@ -1,4 +1,4 @@
-"""Unit tests of trainer.batch: pure TensorDict helpers, no Ray."""
+"""Unit tests of trainer.data.batch: pure TensorDict helpers, no Ray."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from trainer import batch as B
+from trainer.data import batch as B
 
 
 def _samples(n: int) -> list[dict]:

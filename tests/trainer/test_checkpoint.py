@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.checkpoint import (
+from trainer.checkpoints.store import (
     latest_checkpoint,
     list_checkpoints,
     load_driver_state,

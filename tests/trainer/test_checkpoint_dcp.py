@@ -24,9 +24,9 @@ from deadlines import hang_guard
 from tensordict import TensorDict
 
 from rl_e2e.distributed import DistributedRankError, run_distributed
-from trainer import checkpoint as ckpt
-from trainer import rng
-from trainer.checkpoint_files import (
+from trainer.checkpoints import rng
+from trainer.checkpoints import store as ckpt
+from trainer.checkpoints.files import (
     CheckpointError,
     conform,
     merge_non_tensors,
@@ -317,7 +317,7 @@ def test_another_format_version_and_the_old_layout_are_named(copy, tmp_path):
 
 
 def checkpoint_ranks_load(path: Path) -> None:
-    from trainer.export import export_checkpoint
+    from trainer.checkpoints.export import export_checkpoint
 
     export_checkpoint(path, path.parent / "exported")
 
@@ -382,11 +382,11 @@ def test_the_ddp_strategy_goes_through_the_same_files(model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def exported(saved, tmp_path_factory) -> Path:
-    """``python -m trainer.export`` of the saved checkpoint, run as a user would."""
+    """``python -m trainer.checkpoints.export`` of the saved checkpoint, run as a user would."""
     _, _, out = saved
     target = tmp_path_factory.mktemp("export") / "model"
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.export", str(out / "sync"), str(target)],
+        [sys.executable, "-m", "trainer.checkpoints.export", str(out / "sync"), str(target)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -415,7 +415,7 @@ def test_the_export_loads_with_from_pretrained_and_generates_the_actors_tokens(
 def test_a_bad_checkpoint_is_one_line_from_the_export_command(copy, tmp_path):
     (copy / "actor" / "__1_0.distcp").unlink()
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.export", str(copy), str(tmp_path / "out")],
+        [sys.executable, "-m", "trainer.checkpoints.export", str(copy), str(tmp_path / "out")],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -424,7 +424,8 @@ def test_a_bad_checkpoint_is_one_line_from_the_export_command(copy, tmp_path):
     )
     assert proc.returncode == 2
     assert (
-        proc.stderr.startswith("trainer.export: error: ") and "__1_0.distcp: missing" in proc.stderr
+        proc.stderr.startswith("trainer.checkpoints.export: error: ")
+        and "__1_0.distcp: missing" in proc.stderr
     )
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from deadlines import hang_guard
 
-from trainer.checkpoint_files import read_tensors
+from trainer.checkpoints.files import read_tensors
 from trainer.models import ensure_tiny_model
 from trainer.workers.setup import build_actor
 

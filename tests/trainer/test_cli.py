@@ -18,7 +18,7 @@ from deadlines import hang_guard
 
 from trainer.cli_help import config_keys, field_docs, format_value, suggest
 from trainer.config import Config, ConfigError, load_config
-from trainer.progress import Progress, format_duration, plain_line
+from trainer.logging.progress import Progress, format_duration, plain_line
 
 REPO = Path(__file__).resolve().parents[2]
 

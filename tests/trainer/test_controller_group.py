@@ -20,7 +20,6 @@ from deadlines import hang_guard
 from ray import cloudpickle
 from tensordict import TensorDict
 
-from trainer import batch as B
 from trainer.controller import (
     Dispatch,
     DispatchSpec,
@@ -33,6 +32,7 @@ from trainer.controller import (
     WorkerError,
     create_role_groups,
 )
+from trainer.data import batch as B
 
 # pytest imports this file as a top-level module that Ray workers cannot
 # import: ship the worker classes defined here by value.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.data import (
+from trainer.data.prompts import (
     DataError,
     PromptLoader,
     build_dataset,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, load_config
+from trainer.fsdp import decoder_layers, mixed_precision_policy, resolve_strategy
 from trainer.workers.device import backend_for, resolve_device, worker_device
-from trainer.workers.fsdp import decoder_layers, mixed_precision_policy, resolve_strategy
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from trainer import algos
-from trainer import batch as batch_ops
-from trainer.ppo import (
+from trainer.algorithms import ppo_math as algos
+from trainer.data import batch as batch_ops
+from trainer.loop.ppo import (
     apply_kl_in_reward,
     compute_advantages,
     group_ids_for,

@@ -23,9 +23,9 @@ from deadlines import hang_guard
 from tensordict import TensorDict
 
 from rl_e2e.distributed import run_distributed
+from trainer import fsdp
 from trainer.models import ensure_tiny_model
 from trainer.rollout import finish_responses
-from trainer.workers import fsdp
 from trainer.workers.compute import (
     PolicyUpdateSettings,
     compute_log_probs,
@@ -169,7 +169,7 @@ def test_fsdp2_on_two_gloo_ranks_matches_one_plain_process(model_dir, fsdp_run):
 
 def test_the_checkpoint_file_loads_into_a_plain_hf_model(model_dir, fsdp_run):
     td, out, ckpt = fsdp_run
-    from trainer.checkpoint_files import read_tensors
+    from trainer.checkpoints.files import read_tensors
 
     plain = build_actor(model_dir)
     plain.load_state_dict(read_tensors(ckpt / "actor", prefix="model."), strict=True)

@@ -13,8 +13,8 @@ import torch
 from test_fsdp import ROWS, SETTINGS, _batch  # same batch as the CPU test (rootdir-relative import)
 
 from rl_e2e.distributed import run_distributed
+from trainer import fsdp
 from trainer.models import ensure_tiny_model
-from trainer.workers import fsdp
 from trainer.workers.compute import response_logits, update_policy
 from trainer.workers.setup import build_actor
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.data import build_dataset, examples_from_task
-from trainer.episodes import episode_records, tool_schemas
+from trainer.data.prompts import build_dataset, examples_from_task
+from trainer.data.tasks import get_task
 from trainer.models import ensure_tiny_model, load_causal_lm, load_tokenizer
 from trainer.rollout import SamplingParams, build_engine
 from trainer.rollout.episode_loop import MultiTurnRollout
-from trainer.tasks import get_task
-from trainer.tools import ToolExecutor, select_parser
-from trainer.tools.lookup import LookupTool
+from trainer.rollout.episodes import episode_records, tool_schemas
+from trainer.rollout.tools import ToolExecutor, select_parser
+from trainer.rollout.tools.lookup import LookupTool
 from trainer.workers.compute import response_logits
 
 pytestmark = pytest.mark.gpu1
@@ -44,7 +44,7 @@ def _lookup_prompts(tok, n: int):
     examples = examples_from_task(get_task("lookup").examples(n, seed=0), "lookup")
     data = build_dataset(examples, tok, 32, "drop", "lookup", tool_schemas(cfg))
     prompts, _, extras = data.batch(range(n))
-    from trainer.episodes import attach_tools_kwargs
+    from trainer.rollout.episodes import attach_tools_kwargs
 
     return attach_tools_kwargs(prompts, extras)
 

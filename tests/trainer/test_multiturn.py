@@ -24,14 +24,14 @@ from test_tools import Boom, Hang
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from trainer import algos
-from trainer.data import left_pad
-from trainer.episodes import episode_metrics, episode_records, reward_inputs
+from trainer.algorithms import ppo_math as algos
+from trainer.data.prompts import left_pad
+from trainer.loop.ppo import token_level_rewards
 from trainer.models import CHAT_TEMPLATE, TinySpec, build_tiny_model
-from trainer.ppo import token_level_rewards
 from trainer.rollout import SamplingParams, finish_responses
 from trainer.rollout.episode_loop import MultiTurnRollout
-from trainer.tools import Tool, ToolExecutor, select_parser
+from trainer.rollout.episodes import episode_metrics, episode_records, reward_inputs
+from trainer.rollout.tools import Tool, ToolExecutor, select_parser
 from trainer.workers.compute import response_logits, token_log_probs
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|tool|>"]

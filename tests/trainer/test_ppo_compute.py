@@ -13,8 +13,8 @@ from deadlines import hang_guard
 from tensordict import TensorDict
 
 from rl_e2e.distributed import run_distributed
+from trainer.loop.ppo import pad_for_update
 from trainer.models import ensure_tiny_model
-from trainer.ppo import pad_for_update
 from trainer.rollout import finish_responses
 from trainer.workers.compute import (
     PolicyUpdateSettings,
@@ -223,7 +223,7 @@ def test_micro_batches_by_token_budget():
 
 def test_the_old_log_prob_pass_is_skipped_only_for_one_on_policy_pass():
     from trainer.config import load_config
-    from trainer.ppo import needs_old_log_prob_pass
+    from trainer.loop.ppo import needs_old_log_prob_pass
 
     one = ["actor.ppo_epochs=1", "actor.ppo_mini_batch_size=128", "data.train_batch_size=128"]
     assert not needs_old_log_prob_pass(load_config(["algo=grpo", *one]))

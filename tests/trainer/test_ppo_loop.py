@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from trainer.config import load_config
+from trainer.loop.reference import ReferenceLoop
 from trainer.models import ensure_tiny_model
-from trainer.reference_loop import ReferenceLoop
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,15 @@ import ray
 import torch
 
 from trainer.config import load_config
-from trainer.data import build_datasets
-from trainer.models import ensure_tiny_model, load_tokenizer
-from trainer.ppo import (
+from trainer.data.prompts import build_datasets
+from trainer.loop.ppo import (
     PPOTrainer,
     build_worker_groups,
     resolve_reward_fn,
     response_length,
     shutdown_worker_groups,
 )
+from trainer.models import ensure_tiny_model, load_tokenizer
 
 TINY = [
     "data.train_batch_size=3",  # not divisible by the 2 workers: padded

@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from trainer.models import build_char_tokenizer, ensure_tiny_model, load_causal_lm, load_tokenizer
-from trainer.ppo import (
+from trainer.data.rewards import char_match
+from trainer.loop.ppo import (
     compute_advantages,
     decode_responses,
     explained_variance,
@@ -18,7 +18,7 @@ from trainer.ppo import (
     score_responses,
     token_level_rewards,
 )
-from trainer.rewards import char_match
+from trainer.models import build_char_tokenizer, ensure_tiny_model, load_causal_lm, load_tokenizer
 from trainer.rollout import SamplingParams, build_engine, finish_responses
 
 EOS, PAD = 2, 0

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from trainer.rewards import char_match, exact_match, load_reward_fn, score
+from trainer.data.rewards import char_match, exact_match, load_reward_fn, score
 
 
 def test_char_match_hand_computed():
@@ -26,8 +26,8 @@ def test_exact_match():
 
 
 def test_load_by_dotted_path_and_module_colon_name():
-    assert load_reward_fn("trainer.rewards.exact_match") is exact_match
-    assert load_reward_fn("trainer.rewards:char_match") is char_match
+    assert load_reward_fn("trainer.data.rewards.exact_match") is exact_match
+    assert load_reward_fn("trainer.data.rewards:char_match") is char_match
 
 
 def test_load_from_a_file(tmp_path):

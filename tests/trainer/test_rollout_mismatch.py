@@ -7,9 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer import batch as batch_ops
-from trainer.models import ensure_tiny_model
-from trainer.rollout_mismatch import (
+from trainer.algorithms.mismatch import (
     TOTALS_REDUCE,
     add_totals,
     mismatch_metrics,
@@ -17,6 +15,8 @@ from trainer.rollout_mismatch import (
     pop_totals,
     tis_weights,
 )
+from trainer.data import batch as batch_ops
+from trainer.models import ensure_tiny_model
 from trainer.workers.compute import PolicyUpdateSettings, compute_log_probs, update_policy
 from trainer.workers.setup import build_actor
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.tasks import TASKS, get_task
+from trainer.data.tasks import TASKS, get_task
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

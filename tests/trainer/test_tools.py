@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from trainer.models import build_char_tokenizer
-from trainer.tools import (
+from trainer.rollout.tools import (
     CompactParser,
     HermesParser,
     Tool,
@@ -27,7 +27,7 @@ from trainer.tools import (
     resolve_format,
     select_parser,
 )
-from trainer.tools.lookup import LookupTool
+from trainer.rollout.tools.lookup import LookupTool
 
 
 class Add(Tool):
@@ -166,11 +166,11 @@ def test_check_arguments_names_what_is_wrong():
 
 
 def test_tools_load_by_dotted_path_and_from_a_file(tmp_path):
-    assert isinstance(load_tool("trainer.tools.lookup:LookupTool"), LookupTool)
-    assert isinstance(load_tool("trainer.tools.lookup.LookupTool"), LookupTool)
+    assert isinstance(load_tool("trainer.rollout.tools.lookup:LookupTool"), LookupTool)
+    assert isinstance(load_tool("trainer.rollout.tools.lookup.LookupTool"), LookupTool)
     f = tmp_path / "my_tools.py"
     f.write_text(
-        "from trainer.tools import Tool\n"
+        "from trainer.rollout.tools import Tool\n"
         "class Upper(Tool):\n"
         "    name = 'upper'\n"
         "    async def execute(self, arguments, state):\n"
@@ -182,7 +182,7 @@ def test_tools_load_by_dotted_path_and_from_a_file(tmp_path):
     )
     tool = load_tool(f"{f}:Upper")
     assert tool.name == "upper" and tool.schema()["function"]["name"] == "upper"
-    with pytest.raises(TypeError, match="NotATool does not subclass trainer.tools.Tool"):
+    with pytest.raises(TypeError, match="NotATool does not subclass trainer.rollout.tools.Tool"):
         load_tool(f"{f}:NotATool")
     with pytest.raises(TypeError, match="has no name"):
         load_tool(f"{f}:Nameless")

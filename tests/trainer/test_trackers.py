@@ -25,7 +25,8 @@ import pytest
 from deadlines import hang_guard
 
 from trainer.config import ConfigError, load_config
-from trainer.trackers import (
+from trainer.logging.metrics import MetricsLogger, read_metrics
+from trainer.logging.trackers import (
     DISTRIBUTION,
     MLFLOW_DB,
     TRACKERS,
@@ -34,7 +35,6 @@ from trainer.trackers import (
     problem,
     stored_id,
 )
-from trainer.tracking import MetricsLogger, read_metrics
 
 PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 Rows = dict[int, dict[str, float]]
@@ -299,7 +299,7 @@ def test_tensorboard_is_added_when_installed_unless_switched_off(monkeypatch):
 
 
 def test_mlflow_gets_keys_it_accepts():
-    from trainer.trackers import _mlflow_key
+    from trainer.logging.trackers import _mlflow_key
 
     assert _mlflow_key("actor/pg_clipfrac") == "actor/pg_clipfrac"
     assert _mlflow_key("val/tools/web search:v2/calls") == "val/tools/web search:v2/calls"

@@ -1,7 +1,7 @@
 """``python -m trainer rollout.engine=vllm`` on CPU: the weights stay in sync, a broken sync is caught.
 
 The check is the engine/actor log-prob mismatch the trainer reports every
-step (:mod:`trainer.rollout_mismatch`): ``vllm_faults.assert_in_sync``. A run
+step (:mod:`trainer.algorithms.mismatch`): ``vllm_faults.assert_in_sync``. A run
 with the real sync must pass it for 10 steps (mean absolute difference of token
 probabilities below 1e-3, float32 on both sides); a run whose workers skip the
 push after step 1 (installed by ``TRAINER_EXTRA_WORKER_SETUP_HOOK``) must fail

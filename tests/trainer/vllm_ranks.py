@@ -17,9 +17,9 @@ KV_CACHE = 64 * 2**20
 
 def prompts(tok: Any, n_prompts: int, n: int):
     """The synthetic task's first ``n_prompts`` prompts, each repeated ``n`` times."""
-    from trainer import batch as batch_ops
     from trainer.config import load_config
-    from trainer.data import build_datasets
+    from trainer.data import batch as batch_ops
+    from trainer.data.prompts import build_datasets
 
     cfg = load_config([f"data.num_train_examples={max(n_prompts, 4)}", "data.num_val_examples=4"])
     train, _ = build_datasets(cfg, tok)
@@ -44,7 +44,7 @@ def build(model_dir: str, device: torch.device, strategy: str = "fsdp2", seed: i
 
 def actor_log_probs(actor: torch.nn.Module, batch, device: torch.device) -> torch.Tensor:
     """The actor's log-prob of each response token (temperature 1), on the CPU."""
-    from trainer.workers import fsdp
+    from trainer import fsdp
     from trainer.workers.compute import compute_log_probs
 
     ctx = fsdp.gathered_for_inference(actor) if fsdp.is_sharded(actor) else nullcontext()
@@ -130,8 +130,8 @@ def steps_per_fault(rank: int, world: int, model_dir: str, faults: list[str | No
     """
     import vllm_faults
 
+    from trainer.algorithms.mismatch import mismatch_metrics, pop_totals
     from trainer.rollout import SamplingParams
-    from trainer.rollout_mismatch import mismatch_metrics, pop_totals
     from trainer.workers.compute import PolicyUpdateSettings, update_policy
 
     device = torch.device("cpu")

@@ -13,8 +13,8 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from trainer import batch as batch_ops
 from trainer.controller.modes import Dispatch, DispatchSpec, as_spec
+from trainer.data import batch as batch_ops
 
 __all__ = ["Dispatch", "DispatchSpec", "SplitCall", "as_spec", "collect_results", "split_call"]
 

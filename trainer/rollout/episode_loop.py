@@ -7,7 +7,7 @@ every engine gets multi-turn for free.
 
 Episodes of a batch advance together, one *turn* at a time: every episode
 still running is extended by one ``generate`` call over the whole batch, then
-all their tool calls run concurrently (:class:`~trainer.tools.ToolExecutor`).
+all their tool calls run concurrently (:class:`~trainer.rollout.tools.ToolExecutor`).
 An episode stops at a turn without a tool call, after
 ``rollout.multi_turn.max_turns`` turns, or when its response budget
 (``max_new_tokens``, counted over all turns, tool results included) is spent.
@@ -35,7 +35,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from trainer.rollout.base import RolloutEngine, SamplingParams, positions_from_mask
-from trainer.tools import CallOutcome, Tool, ToolCallParser, ToolExecutor
+from trainer.rollout.tools import CallOutcome, Tool, ToolCallParser, ToolExecutor
 
 _HOLE = "\x00{}\x00"  # placeholder for a tool message's content inside a rendered frame
 

@@ -39,9 +39,9 @@ def build_engine(
 
 def build_rollout(cfg: Config, engine: RolloutEngine, tokenizer: Any) -> Any:
     """The worker's :class:`~trainer.rollout.episode_loop.MultiTurnRollout` over its ``engine``."""
-    from trainer.episodes import tool_response_length, tool_specs
     from trainer.rollout.episode_loop import MultiTurnRollout
-    from trainer.tools import ToolExecutor, load_tools, select_parser
+    from trainer.rollout.episodes import tool_response_length, tool_specs
+    from trainer.rollout.tools import ToolExecutor, load_tools, select_parser
 
     mt = cfg.rollout.multi_turn
     tools = load_tools(tool_specs(cfg))

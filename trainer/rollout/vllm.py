@@ -283,7 +283,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        from trainer.workers import fsdp
+        from trainer import fsdp
 
         # The engine computes in the dtype the actor's forward uses (FSDP2's bf16
         # on CUDA, float32 otherwise), so the two policies differ by kernels only.

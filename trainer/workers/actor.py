@@ -4,7 +4,7 @@ One instance per data-parallel rank. The driver calls it through a role group:
 ``generate_sequences``, ``compute_log_prob``, ``compute_ref_log_prob`` and
 ``update_actor`` receive this rank's slice of the batch (``DP_SPLIT``).
 With ``actor.strategy=fsdp2`` the policy and reference are sharded with FSDP2
-(:mod:`trainer.workers.fsdp`); with ``ddp`` each rank holds them whole and
+(:mod:`trainer.fsdp`); with ``ddp`` each rank holds them whole and
 gradients are all-reduced inside ``update_actor``. Collective methods are
 ``ONE_TO_ALL`` or ``DP_SPLIT``, so every rank joins.
 """
@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from trainer import fsdp
+from trainer.checkpoints.export import save_hf_model, write_hf_files
 from trainer.config import Config
 from trainer.controller import Dispatch, Worker
-from trainer.export import save_hf_model, write_hf_files
 from trainer.models import load_tokenizer
 from trainer.rollout import build_engine, build_rollout
-from trainer.workers import fsdp
 from trainer.workers.compute import compute_log_probs, update_policy
 from trainer.workers.device import backend_for, worker_device
 from trainer.workers.memory import peak_memory_metrics
@@ -165,7 +165,7 @@ class ActorRolloutRefWorker(Worker):
     def save_checkpoint(self, directory: str, asynchronous: bool = False) -> None:
         """Write this rank's shard of policy and optimizer, its RNG and the scheduler.
 
-        Rank 0 adds the config and tokenizer (for ``python -m trainer.export``).
+        Rank 0 adds the config and tokenizer (for ``python -m trainer.checkpoints.export``).
         ``asynchronous``: return once staged in host memory; :meth:`wait_checkpoint` ends it.
         """
         self.saver.save(

@@ -24,9 +24,9 @@ from tensordict import TensorDict
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from trainer import algos
-from trainer import batch as batch_ops
-from trainer.rollout_mismatch import add_totals, mismatch_totals, tis_weights
+from trainer.algorithms import ppo_math as algos
+from trainer.algorithms.mismatch import add_totals, mismatch_totals, tis_weights
+from trainer.data import batch as batch_ops
 from trainer.workers.shared_prompt import shared_prompt_logits
 
 
@@ -261,7 +261,7 @@ def update_policy(
 ) -> dict[str, float]:
     """PPO epochs x mini-batches x micro-batches on this rank's shard; one optimizer step per mini-batch.
 
-    Loss normalisation is global (:func:`trainer.algos.agg_norm` over the whole
+    Loss normalisation is global (:func:`trainer.algorithms.ppo_math.agg_norm` over the whole
     mini-batch on all dp ranks), so the parameters after a step do not depend on
     the micro-batch size or the number of ranks.
 
@@ -271,9 +271,9 @@ def update_policy(
     a whole forward pass over the batch. The entropy it would have reported
     then comes back as ``actor/entropy``, and, when the batch carries the
     engine's ``rollout_log_probs``, the engine/actor mismatch totals
-    (:mod:`trainer.rollout_mismatch`) measured on that same forward, before
+    (:mod:`trainer.algorithms.mismatch`) measured on that same forward, before
     the optimizer step. With ``s.tis_cap > 0`` each token's policy loss is
-    weighted by :func:`~trainer.rollout_mismatch.tis_weights`.
+    weighted by :func:`~trainer.algorithms.mismatch.tis_weights`.
     """
     on_policy = "old_log_probs" not in batch.keys()
     if on_policy and (s.ppo_epochs != 1 or s.num_mini_batches != 1):

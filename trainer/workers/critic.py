@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tensordict import TensorDict
 
+from trainer import fsdp
 from trainer.config import Config
 from trainer.controller import Dispatch, Worker
-from trainer.workers import fsdp
 from trainer.workers.actor import place_model, seed_worker
 from trainer.workers.compute import compute_values, update_value
 from trainer.workers.device import backend_for, worker_device

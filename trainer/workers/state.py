@@ -8,7 +8,7 @@ FSDP2 (DTensors) or, for ``ddp``, the whole replicated tensors, which DCP
 writes once (spread over the ranks). Loading reads them back into however
 many ranks the new run has: DCP reshards on read.
 
-Beside the shards, as JSON (never a pickle, see :mod:`trainer.checkpoint_files`):
+Beside the shards, as JSON (never a pickle, see :mod:`trainer.checkpoints.files`):
 ``state.json`` (rank 0: format version, world size, strategy, the optimizer's
 hyper-parameters) and ``rank_<r>.json`` (each rank: its RNG states and the LR
 scheduler). A rank of a resumed run with no file of its own (more ranks than
@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainer import __version__, rng
-from trainer.checkpoint_files import (
+from trainer import __version__, fsdp
+from trainer.checkpoints import rng
+from trainer.checkpoints.files import (
     FORMAT,
     FORMAT_VERSION,
     ROLE_STATE_FILE,
@@ -61,7 +62,6 @@ from trainer.checkpoint_files import (
     verify_dcp_dir,
     write_json,
 )
-from trainer.workers import fsdp
 
 __all__ = [
     "CheckpointSaver",

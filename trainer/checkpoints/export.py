@@ -1,4 +1,4 @@
-"""``python -m trainer.export CHECKPOINT OUT_DIR``: a checkpoint's policy as a Hugging Face model.
+"""``python -m trainer.checkpoints.export CHECKPOINT OUT_DIR``: a checkpoint's policy as a Hugging Face model.
 
 Reads the actor's sharded DCP state of ``CHECKPOINT`` (a ``step_N`` directory,
 written by any number of ranks) in one process, puts it into the model that
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint_files import (
+from trainer.checkpoints.files import (
     ROLE_STATE_FILE,
     CheckpointError,
     check_format,
@@ -126,7 +126,7 @@ def save_hf_model(
 def main(argv: list[str] | None = None) -> int:
     """The command line; exit status 2 with one line naming the file for a bad checkpoint."""
     parser = argparse.ArgumentParser(
-        prog="python -m trainer.export",
+        prog="python -m trainer.checkpoints.export",
         description="Write a checkpoint's model as a Hugging Face directory (safetensors, "
         "config, tokenizer) that from_pretrained and vLLM load.",
     )
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, args.role)
     except CheckpointError as exc:
-        print(f"trainer.export: error: {exc}", file=sys.stderr)
+        print(f"trainer.checkpoints.export: error: {exc}", file=sys.stderr)
         return 2
-    print(f"trainer.export: wrote {out}", flush=True)
+    print(f"trainer.checkpoints.export: wrote {out}", flush=True)
     return 0
 
 

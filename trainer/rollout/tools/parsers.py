@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainer.tools.base import Tool, property_names
+from trainer.rollout.tools.base import Tool, property_names
 
 FORMATS = ("auto", "hermes", "compact")
 

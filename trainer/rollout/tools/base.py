@@ -108,7 +108,7 @@ def check_arguments(tool: Tool, arguments: Any) -> dict[str, Any]:
 def validate_tool(tool: Any, where: str) -> Tool:
     """``tool`` if it has what the loop needs; ``TypeError`` naming ``where`` otherwise."""
     if not isinstance(tool, Tool):
-        raise TypeError(f"{where}: {tool!r} is not a trainer.tools.Tool")
+        raise TypeError(f"{where}: {tool!r} is not a trainer.rollout.tools.Tool")
     if not isinstance(tool.name, str) or not tool.name:
         raise TypeError(f"{where}: the tool has no name (set the class attribute 'name')")
     params = tool.parameters

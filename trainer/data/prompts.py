@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from trainer.tasks import Example, get_task
+from trainer.data.tasks import Example, get_task
 
 
 class DataError(ValueError):

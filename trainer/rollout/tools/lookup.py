@@ -1,7 +1,7 @@
 """The ``lookup`` tool of the embedded ``lookup`` task: a table the model never sees.
 
 Each episode gets its own random table (``tools_kwargs["lookup"]["table"]``,
-made by :func:`trainer.tasks.lookup_example`), so the answer cannot be
+made by :func:`trainer.data.tasks.lookup_example`), so the answer cannot be
 learned from prompts: only a call with the right key reveals it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.tools.base import Tool
+from trainer.rollout.tools.base import Tool
 
 
 class LookupTool(Tool):

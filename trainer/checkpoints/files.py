@@ -1,7 +1,7 @@
 """The files of a checkpoint: format version, JSON metadata, and reading DCP shards safely.
 
 No process group, no model: what the workers (:mod:`trainer.workers.state`),
-the driver (:mod:`trainer.checkpoint`) and the export (:mod:`trainer.export`)
+the driver (:mod:`trainer.checkpoints.store`) and the export (:mod:`trainer.checkpoints.export`)
 share about the layout on disk, and every check that turns a damaged or foreign
 checkpoint into a :class:`CheckpointError` naming the file and the problem.
 

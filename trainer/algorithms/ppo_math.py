@@ -397,7 +397,7 @@ def policy_loss(
 
     ``token_weights`` (no gradient) scale each token's loss before aggregation:
     the truncated importance weights of a rollout engine's mismatch
-    (:func:`trainer.rollout_mismatch.tis_weights`).
+    (:func:`trainer.algorithms.mismatch.tis_weights`).
     """
     _check_same_shape(
         old_log_prob=old_log_prob,

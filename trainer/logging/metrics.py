@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.trackers import Tracker
+    from trainer.logging.trackers import Tracker
 
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "reward_curve.png"
@@ -20,7 +20,7 @@ class MetricsLogger:
 
     Appending (not truncating) lets a resumed run continue the same file; the
     lines after the resume point are dropped first so no step appears twice.
-    The trackers (:mod:`trainer.trackers`, opened with the same ``resume_step``)
+    The trackers (:mod:`trainer.logging.trackers`, opened with the same ``resume_step``)
     get each row's finite values and are closed by :meth:`close`.
     """
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import __version__
-from trainer.checkpoint_files import (
+from trainer.checkpoints.files import (
     FORMAT,
     FORMAT_VERSION,
     ROLE_STATE_FILE,
@@ -68,7 +68,7 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 def begin_checkpoint(run_dir: str | Path, step: int, driver_state: dict[str, Any]) -> Path:
     """Make the temporary directory of checkpoint ``step`` and write the driver's state into it.
 
-    ``driver_state`` must be JSON-able (:meth:`trainer.ppo.PPOTrainer.state_dict` is);
+    ``driver_state`` must be JSON-able (:meth:`trainer.loop.ppo.PPOTrainer.state_dict` is);
     it is written now, so it is the state at the save, however late the commit.
     """
     root = checkpoint_root(run_dir)

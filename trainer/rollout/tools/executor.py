@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from trainer.tools.base import Tool, ToolArgumentError, check_arguments
-from trainer.tools.parsers import ToolCall
+from trainer.rollout.tools.base import Tool, ToolArgumentError, check_arguments
+from trainer.rollout.tools.parsers import ToolCall
 
 T = TypeVar("T")
 

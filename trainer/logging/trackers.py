@@ -6,7 +6,7 @@ when the tracker is opened; :func:`problem` tells configuration validation,
 before Ray starts, that a chosen one cannot be opened here.
 
 Every tracker has the same two methods (:class:`Tracker`): ``log(metrics,
-step)`` with finite floats only, and ``close()``. :class:`trainer.tracking.MetricsLogger`
+step)`` with finite floats only, and ``close()``. :class:`trainer.logging.metrics.MetricsLogger`
 opens none itself: ``python -m trainer`` opens them with :func:`open_trackers`
 and hands them over, and the logger passes each step to each.
 

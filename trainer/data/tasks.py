@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.rewards import char_match, exact_match
+from trainer.data.rewards import char_match, exact_match
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ TASKS: dict[str, Task] = {
         _lookup,
         lookup_reward,
         max_response_length=20,
-        tools=("trainer.tools.lookup:LookupTool",),
+        tools=("trainer.rollout.tools.lookup:LookupTool",),
         max_tool_response_length=4,
     ),
 }

@@ -1,7 +1,7 @@
 """Multi-turn training on the driver's side: tools of a run, episode records, metrics, log.
 
 The episode loop itself runs in the actor workers
-(:mod:`trainer.rollout.episode_loop`); the driver (:class:`trainer.ppo.PPOTrainer`)
+(:mod:`trainer.rollout.episode_loop`); the driver (:class:`trainer.loop.ppo.PPOTrainer`)
 only needs what is here: which tools a run uses, the per-example
 ``tools_kwargs`` sent with the prompts, the reward function's inputs (the
 final answer plus the whole trajectory), the ``rollout/multi_turn/*`` and
@@ -26,7 +26,7 @@ TRAJECTORY_FILE = "trajectories.jsonl"
 
 def tool_specs(cfg: Config) -> list[str]:
     """``rollout.multi_turn.tools``, or the synthetic task's own tools when that is empty."""
-    from trainer.tasks import get_task
+    from trainer.data.tasks import get_task
 
     specs = list(cfg.rollout.multi_turn.tools)
     if not specs and not cfg.data.train_files:
@@ -40,7 +40,7 @@ def tool_specs(cfg: Config) -> list[str]:
 
 def tool_response_length(cfg: Config) -> int:
     """``rollout.multi_turn.max_tool_response_length``, or the task's default when 0 (256 for files)."""
-    from trainer.tasks import get_task
+    from trainer.data.tasks import get_task
 
     if cfg.rollout.multi_turn.max_tool_response_length:
         return int(cfg.rollout.multi_turn.max_tool_response_length)
@@ -51,7 +51,7 @@ def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:
     """The OpenAI schemas of the run's tools for the chat template (None without multi-turn)."""
     if not cfg.rollout.multi_turn.enable:
         return None
-    from trainer.tools import load_tools
+    from trainer.rollout.tools import load_tools
 
     return [t.schema() for t in load_tools(tool_specs(cfg))]
 

@@ -34,7 +34,7 @@ PROB_GAP = 0.1
 
 _PREFIX = "rollout/mismatch_totals/"
 _SUMS = ("abs_logp", "abs_prob", "over_gap", "tokens")
-#: How each total combines across ranks (``trainer.batch.merge_metrics``'s ``reduce``).
+#: How each total combines across ranks (``trainer.data.batch.merge_metrics``'s ``reduce``).
 TOTALS_REDUCE = {**{_PREFIX + k: "sum" for k in _SUMS}, _PREFIX + "max_abs_logp": "max"}
 
 

@@ -2,15 +2,15 @@
 
 Each entry is ``package.module:Class``, ``package.module.Class`` or
 ``/path/to/file.py:Class`` (a class, instantiated without arguments, or an
-already-built :class:`~trainer.tools.base.Tool` instance).
+already-built :class:`~trainer.rollout.tools.base.Tool` instance).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainer.rewards import import_object
-from trainer.tools.base import Tool, validate_tool
+from trainer.data.rewards import import_object
+from trainer.rollout.tools.base import Tool, validate_tool
 
 KEY = "rollout.multi_turn.tools"
 
@@ -21,7 +21,7 @@ def load_tool(spec: str) -> Tool:
     where = f"{KEY}: {spec!r}"
     if isinstance(obj, type):
         if not issubclass(obj, Tool):
-            raise TypeError(f"{where}: {obj.__name__} does not subclass trainer.tools.Tool")
+            raise TypeError(f"{where}: {obj.__name__} does not subclass trainer.rollout.tools.Tool")
         try:
             obj = obj()
         except TypeError as exc:

@@ -1,11 +1,11 @@
 """A plain single-process loop of the same PPO/GRPO math, no Ray, no workers.
 
 It calls the very functions the Ray workers call (:mod:`trainer.workers.compute`)
-and the driver's math (:mod:`trainer.ppo`), on the whole batch in one process.
+and the driver's math (:mod:`trainer.loop.ppo`), on the whole batch in one process.
 Two uses: the baseline of ``bench/ppo_step.py`` (what the single-controller
 machinery costs), and a fast place to tune hyper-parameters.
 
-Run it: ``python -m trainer.reference_loop algo=grpo trainer.total_steps=60``.
+Run it: ``python -m trainer.loop.reference algo=grpo trainer.total_steps=60``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import time
 import numpy as np
 import torch
 
-from trainer import algos
+from trainer.algorithms import ppo_math as algos
 from trainer.config import Config, load_config
-from trainer.data import PromptLoader, build_datasets
-from trainer.models import load_tokenizer, resolve_model_path
-from trainer.ppo import (
+from trainer.data.prompts import PromptLoader, build_datasets
+from trainer.loop.ppo import (
     apply_kl_in_reward,
     compute_advantages,
     decode_responses,
@@ -35,6 +34,7 @@ from trainer.ppo import (
     score_responses,
     token_level_rewards,
 )
+from trainer.models import load_tokenizer, resolve_model_path
 from trainer.rollout import build_engine
 from trainer.workers.compute import compute_log_probs, compute_values, update_policy, update_value
 from trainer.workers.settings import (
@@ -235,7 +235,7 @@ class ReferenceLoop:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m trainer.reference_loop [key=value ...]``."""
+    """``python -m trainer.loop.reference [key=value ...]``."""
     torch.set_num_threads(1)
     cfg = load_config(list(sys.argv[1:] if argv is None else argv))
     loop = ReferenceLoop(cfg)

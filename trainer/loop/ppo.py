@@ -2,7 +2,7 @@
 
 Top half: the driver-side math of a step as pure functions (rewards to token
 rewards, KL shaping, advantages, diagnostics), shared with
-:mod:`trainer.reference_loop`. Bottom half: :class:`PPOTrainer`, whose ``fit``
+:mod:`trainer.loop.reference`. Bottom half: :class:`PPOTrainer`, whose ``fit``
 reads like CleanRL's loop: generate -> reward -> old/ref log-probs -> values
 -> advantages -> critic update -> actor update -> validate -> log/checkpoint.
 """
@@ -18,11 +18,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from trainer import algos, episodes, rng, rollout_mismatch
-from trainer import batch as batch_ops
+from trainer.algorithms import mismatch as rollout_mismatch
+from trainer.algorithms import ppo_math as algos
+from trainer.checkpoints import rng
 from trainer.config import Config
-from trainer.data import PromptDataset, PromptLoader
-from trainer.rewards import RewardFn, score
+from trainer.data import batch as batch_ops
+from trainer.data.prompts import PromptDataset, PromptLoader
+from trainer.data.rewards import RewardFn, score
+from trainer.rollout import episodes
 
 #: Peaks are reported as the largest over data-parallel ranks, not their mean.
 PEAK_ACROSS_RANKS = {"perf/peak_rss_gb": "max", "perf/max_memory_allocated_gb": "max"}
@@ -101,7 +104,7 @@ def compute_advantages(
     lam: float,
     grpo_std_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns for ``algo`` (the estimators live in :mod:`trainer.algos`)."""
+    """Advantages and returns for ``algo`` (the estimators live in :mod:`trainer.algorithms.ppo_math`)."""
     if algo == "gae":
         if values is None:
             raise ValueError("algo=gae needs critic values")
@@ -156,7 +159,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def response_length(cfg) -> int:
     """``rollout.max_response_length``, or the synthetic task's default when 0."""
-    from trainer.tasks import get_task
+    from trainer.data.tasks import get_task
 
     if cfg.rollout.max_response_length:
         return int(cfg.rollout.max_response_length)
@@ -165,8 +168,8 @@ def response_length(cfg) -> int:
 
 def resolve_reward_fn(cfg) -> RewardFn:
     """``reward.function`` if set; else the synthetic task's rule, or exact match for files."""
-    from trainer.rewards import exact_match, load_reward_fn
-    from trainer.tasks import get_task
+    from trainer.data.rewards import exact_match, load_reward_fn
+    from trainer.data.tasks import get_task
 
     if cfg.reward.function:
         return load_reward_fn(cfg.reward.function)

@@ -7,10 +7,10 @@ runs them concurrently with a timeout. The episode loop that uses all of
 this is :mod:`trainer.rollout.episode_loop`.
 """
 
-from trainer.tools.base import Tool, ToolArgumentError, check_arguments
-from trainer.tools.executor import STATUSES, CallOutcome, ToolExecutor
-from trainer.tools.loading import load_tool, load_tools
-from trainer.tools.parsers import (
+from trainer.rollout.tools.base import Tool, ToolArgumentError, check_arguments
+from trainer.rollout.tools.executor import STATUSES, CallOutcome, ToolExecutor
+from trainer.rollout.tools.loading import load_tool, load_tools
+from trainer.rollout.tools.parsers import (
     CompactParser,
     HermesParser,
     ParsedTurn,
