@@ -1,4 +1,4 @@
-"""The engine/actor mismatch statistics and the truncated importance weights, without an engine."""
+"""The engine/actor mismatch statistics and the capped importance weights, without an engine."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import torch
 from trainer.algorithms.mismatch import (
     TOTALS_REDUCE,
     add_totals,
+    cap_weights,
+    importance_metrics,
+    importance_ratios,
+    importance_totals,
+    mismatch_by_lag,
     mismatch_metrics,
     mismatch_totals,
     pop_totals,
@@ -34,24 +39,41 @@ def test_the_statistics_are_over_response_tokens_only():
     assert got["rollout/actor_prob_diff_gt_0.1"] == pytest.approx(2 / 5)
 
 
-def test_pieces_and_ranks_combine_to_the_whole_batch():
+def _all_totals(actor, rollout, mask, cap: float, mode: str) -> dict[str, float]:
+    """Both families of totals of one piece, as the update computes them."""
+    ratios = importance_ratios(actor, rollout, mask)
+    weights = cap_weights(ratios, cap, mode)
+    return {
+        **mismatch_totals(actor, rollout, mask),
+        **importance_totals(ratios, weights, mask, cap),
+    }
+
+
+def _all_metrics(totals: dict[str, float]) -> dict[str, float]:
+    return {**mismatch_metrics(totals), **importance_metrics(totals)}
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_pieces_and_ranks_combine_to_the_whole_batch(mode):
     gen = torch.Generator().manual_seed(0)
     actor = -torch.rand(6, 5, generator=gen) * 3
     rollout = actor + 0.3 * torch.randn(6, 5, generator=gen)
     mask = (torch.rand(6, 5, generator=gen) > 0.3).long()
-    whole = mismatch_metrics(mismatch_totals(actor, rollout, mask))
+    whole = _all_metrics(_all_totals(actor, rollout, mask, 1.2, mode))
+    assert 0 < whole["rollout/is_truncated_frac"] < 1 and 0 < whole["rollout/is_ess"] < 1
     # Two ranks of three rows, each in two micro-batches, merged as the driver merges them.
     per_rank = []
     for rows in (slice(0, 3), slice(3, 6)):
         acc: dict[str, float] = {}
         for micro in (slice(0, 1), slice(1, 3)):
             a, r, m = actor[rows][micro], rollout[rows][micro], mask[rows][micro]
-            acc = add_totals(acc, mismatch_totals(a, r, m))
+            acc = add_totals(acc, _all_totals(a, r, m, 1.2, mode))
         per_rank.append({"actor/pg_loss": 0.0, **acc})
     merged = batch_ops.merge_metrics(per_rank, reduce=TOTALS_REDUCE)
     totals = pop_totals(merged)
     assert merged == {"actor/pg_loss": 0.0}
-    assert mismatch_metrics(totals) == pytest.approx(whole)
+    assert _all_metrics(totals) == pytest.approx(whole)
+    assert len(whole) == 8
 
 
 def test_no_compared_token_reports_nothing_and_shapes_must_agree():
@@ -70,6 +92,43 @@ def test_truncated_importance_weights():
     assert not w.requires_grad
     with pytest.raises(ValueError, match="cap must be > 0"):
         tis_weights(actor, rollout, cap=0.0)
+
+
+def test_cap_modes_truncate_or_mask_and_padding_weighs_nothing():
+    ratios = torch.tensor([[0.5, 1.0, 2.0, 2.5, 7.0]])
+    assert cap_weights(ratios, 2.0).tolist() == [[0.5, 1.0, 2.0, 2.0, 2.0]]
+    assert cap_weights(ratios, 2.0, "mask").tolist() == [[0.5, 1.0, 2.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="unknown tis_mode 'clip'"):
+        cap_weights(ratios, 2.0, "clip")
+    actor = torch.zeros(1, 3)
+    rollout = torch.tensor([[math.log(0.5), float("nan"), float("-inf")]])
+    w = tis_weights(actor, rollout, 1.5, "mask", response_mask=torch.tensor([[1, 0, 0]]))
+    assert w.tolist() == [[0.0, 0.0, 0.0]]  # ratio 2 > 1.5 masked; padding 0 even for nan
+    assert tis_weights(actor, rollout, 1.5, response_mask=torch.tensor([[1, 0, 0]])).tolist() == [
+        [1.5, 0.0, 0.0]
+    ]
+
+
+def test_mismatch_by_lag_splits_the_gap_by_the_rows_policy_version():
+    actor = torch.zeros(4, 3)
+    rollout = torch.tensor(
+        [[0.01, -0.01, 9.0], [0.02, 0.0, 0.0], [0.5, -0.5, 0.2], [9.0, 9.0, 9.0]]
+    )
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]])
+    got = mismatch_by_lag(actor, rollout, mask, torch.tensor([0, 0, 2, 5]))
+    # lag 5 has no response token: nothing to report; padding (9.0) never counts.
+    assert got == pytest.approx(
+        {
+            "rollout/actor_logprob_diff_mean/lag0": 0.04 / 5,
+            "rollout/actor_logprob_diff_mean/lag2": 1.2 / 3,
+        }
+    )
+    with pytest.raises(ValueError, match=r"lag must have shape \(4,\)"):
+        mismatch_by_lag(actor, rollout, mask, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="integers"):
+        mismatch_by_lag(actor, rollout, mask, torch.zeros(4))
+    with pytest.raises(ValueError, match=">= 0"):
+        mismatch_by_lag(actor, rollout, mask, torch.tensor([0, -1, 0, 0]))
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +159,20 @@ def test_the_update_pass_measures_the_mismatch_before_it_steps(model_dir):
     got = mismatch_metrics(pop_totals(metrics))
     want = mismatch_metrics(mismatch_totals(lp, td["rollout_log_probs"], td["response_mask"]))
     assert got == pytest.approx(want, rel=1e-5)
-    # With an old-log-prob pass the driver measures it instead: the update reports none.
-    assert pop_totals(update_policy(actor, opt, td.set("old_log_probs", lp), s)) == {}
+    # With an old-log-prob pass the driver measures it instead: the update reports none,
+    # only the importance weights (here all 1: the engine's are the old log-probs).
+    totals = pop_totals(update_policy(actor, opt, td.set("old_log_probs", lp), s))
+    assert mismatch_metrics(totals) == {}
+    equal = td.clone().set("rollout_log_probs", lp)
+    totals = pop_totals(update_policy(actor, opt, equal, s))
+    assert importance_metrics(totals) == pytest.approx(
+        {
+            "rollout/is_weight_mean": 1.0,
+            "rollout/is_weight_max": 1.0,
+            "rollout/is_truncated_frac": 0.0,
+            "rollout/is_ess": 1.0,
+        }
+    )
 
 
 def test_tis_weights_the_policy_gradient_by_the_capped_ratio(model_dir):

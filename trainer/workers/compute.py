@@ -25,7 +25,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from trainer.algorithms import ppo_math as algos
-from trainer.algorithms.mismatch import add_totals, mismatch_totals, tis_weights
+from trainer.algorithms.mismatch import (
+    add_totals,
+    cap_weights,
+    importance_ratios,
+    importance_totals,
+    mismatch_totals,
+)
 from trainer.data import batch as batch_ops
 from trainer.workers.shared_prompt import shared_prompt_logits
 
@@ -53,7 +59,9 @@ class PolicyUpdateSettings:
     share_prompt: bool = False
     """One forward per distinct prompt (see :func:`response_logits`)."""
     tis_cap: float = 0.0
-    """Truncated importance sampling of the rollout engine's mismatch; 0 is off."""
+    """Cap of the importance weight pi_actor / pi_rollout in the corrected loss; 0 is off."""
+    tis_mode: str = "truncate"
+    """truncate: weight min(ratio, tis_cap); mask: 0 above tis_cap, the ratio below."""
 
 
 @dataclass(frozen=True)
@@ -272,8 +280,16 @@ def update_policy(
     then comes back as ``actor/entropy``, and, when the batch carries the
     engine's ``rollout_log_probs``, the engine/actor mismatch totals
     (:mod:`trainer.algorithms.mismatch`) measured on that same forward, before
-    the optimizer step. With ``s.tis_cap > 0`` each token's policy loss is
-    weighted by :func:`~trainer.algorithms.mismatch.tis_weights`.
+    the optimizer step.
+
+    The corrected (decoupled) loss: the clip is taken against ``old_log_probs``
+    (the proximal policy) and, with ``s.tis_cap > 0``, each token's clipped
+    loss is weighted by the ratio of the proximal policy over the engine's
+    (``rollout_log_probs``, the behaviour policy), capped as ``s.tis_mode``
+    says (:func:`~trainer.algorithms.mismatch.cap_weights`); padding weighs 0.
+    Whenever the batch carries ``rollout_log_probs`` the weights' totals
+    (:func:`~trainer.algorithms.mismatch.importance_totals`, each token once:
+    first epoch) come back with the metrics, applied or not.
     """
     on_policy = "old_log_probs" not in batch.keys()
     if on_policy and (s.ppo_epochs != 1 or s.num_mini_batches != 1):
@@ -286,6 +302,11 @@ def update_policy(
     params = [p for p in model.parameters() if p.requires_grad]
     acc: dict[str, list[float]] = defaultdict(list)
     engine_lp = "rollout_log_probs" in batch.keys()
+    if s.tis_cap > 0 and not engine_lp:
+        raise ValueError(
+            f"tis_cap={s.tis_cap} weights the loss by the engine's log-probs, "
+            "but the batch has no rollout_log_probs"
+        )
     totals: dict[str, float] = {}
     for epoch in range(s.ppo_epochs):
         for mini in _mini_batches(batch, s.num_mini_batches, s.shuffle_seed * 1000 + epoch):
@@ -311,8 +332,14 @@ def update_policy(
                     piece = mismatch_totals(log_prob, micro["rollout_log_probs"], mask)
                     totals = add_totals(totals, piece)
                 weights = None
-                if s.tis_cap > 0:
-                    weights = tis_weights(old_log_prob, micro["rollout_log_probs"], s.tis_cap)
+                if engine_lp:
+                    ratios = importance_ratios(old_log_prob, micro["rollout_log_probs"], mask)
+                    capped = cap_weights(ratios, s.tis_cap, s.tis_mode) if s.tis_cap > 0 else ratios
+                    if epoch == 0:
+                        piece = importance_totals(ratios, capped, mask, s.tis_cap)
+                        totals = add_totals(totals, piece)
+                    if s.tis_cap > 0:
+                        weights = capped
                 pg_loss, pg_metrics = algos.policy_loss(
                     old_log_prob,
                     log_prob,

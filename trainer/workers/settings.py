@@ -33,6 +33,7 @@ def policy_settings(cfg: Config, step: int) -> PolicyUpdateSettings:
         shuffle_seed=cfg.seed * 1_000_003 + step,
         share_prompt=share_prompt(cfg),
         tis_cap=cfg.rollout.tis_cap,
+        tis_mode=cfg.rollout.tis_mode,
     )
 
 
