@@ -440,11 +440,12 @@ class PPOTrainer:
                 reduce = {k: v for k, v in reduce.items() if k in per_rank[0]}
                 merged = batch_ops.merge_metrics(per_rank, reduce=reduce)
                 # The update's own forward measured the mismatch when it was the one
-                # on-policy pass; otherwise the old-log-prob pass above did.
-                update_totals = rollout_mismatch.pop_totals(merged)
-                mismatch = mismatch or update_totals
+                # on-policy pass; otherwise the old-log-prob pass above did. The
+                # importance weights' totals always come from the update.
+                mismatch = {**rollout_mismatch.pop_totals(merged), **mismatch}
                 m.update(merged)
         m.update(rollout_mismatch.mismatch_metrics(mismatch))
+        m.update(rollout_mismatch.importance_metrics(mismatch))
 
         elapsed = time.perf_counter() - t_start
         n_tokens = int(mask.sum())
