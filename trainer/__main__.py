@@ -274,6 +274,8 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
             logger.close()
         if groups:
             shutdown_worker_groups(groups)
+    if not logger.path.exists():  # resumed into a new run_dir with no step left: no row
+        logger.path.write_text("")
     rows = read_metrics(logger.path)
     curve = plot_reward_curve(rows, run_dir / CURVE_FILE, title=f"{cfg.algo}, seed {cfg.seed}")
     vals = [r["val/reward_mean"] for r in rows if r.get("val/reward_mean") is not None]
@@ -332,11 +334,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg.rollout.val_temperature if cfg.rollout.val_temperature >= 0 else cfg.rollout.temperature
     )
     last = result.history[-1] if result.history else {}
-    print(
-        f"trainer: done: {len(result.history)} steps in {result.wall_s:.1f} s, "
-        f"final train reward {last.get('rollout/reward_mean', float('nan')):.3f}",
-        flush=True,
-    )
+    if result.history:
+        print(
+            f"trainer: done: {len(result.history)} steps in {result.wall_s:.1f} s, "
+            f"final train reward {last.get('rollout/reward_mean', float('nan')):.3f}",
+            flush=True,
+        )
+    else:
+        print(
+            f"trainer: done: no training step ran in {result.wall_s:.1f} s (nothing left to "
+            f"train: at step {result.start_step} of trainer.total_steps="
+            f"{cfg.trainer.total_steps})",
+            flush=True,
+        )
     if result.final_val_reward is not None:
         print(
             f"trainer: val/reward_mean {result.final_val_reward:.3f} "

@@ -6,6 +6,9 @@ exists, then started again with ``trainer.resume=auto`` to finish. Both write
 metrics.jsonl and a step-2k checkpoint: every metric at every step (all but
 wall-clock timings and peak memory, which depend on the machine) must be equal, and the final weights equal within 1e-6.
 The exported final model (``final_model/``) holds exactly the final checkpoint's policy.
+
+B's final checkpoint resumed into a fresh run directory with no step left to
+train finishes cleanly and says so (no nan reward, an empty metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def model_dir(tmp_path_factory):
     return str(ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("cache")))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_tmp():
     # Ray's socket paths must stay short: a short private dir, removed after.
     d = tempfile.mkdtemp(prefix="rt", dir="/tmp")
@@ -83,11 +86,12 @@ def _env(ray_tmp: str) -> dict[str, str]:
     return env
 
 
-def _run(args, env) -> None:
+def _run(args, env) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         args, env=env, cwd=REPO, capture_output=True, text=True, timeout=hang_guard(240)
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -126,7 +130,10 @@ def _weights(run_dir: Path, role: str) -> dict[str, torch.Tensor]:
     return read_tensors(run_dir / "checkpoints" / f"step_{2 * K:06d}" / role, prefix="model.")
 
 
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir, ray_tmp):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_dir, ray_tmp) -> tuple[Path, Path]:
+    """(A, B): A uninterrupted over 2k steps, B killed after its step-k checkpoint and resumed."""
+    tmp_path = tmp_path_factory.mktemp("runs")
     env = _env(ray_tmp)
     a, b = tmp_path / "a", tmp_path / "b"
     # A runs alongside B's first part (its own Ray cluster) to save wall time.
@@ -166,7 +173,11 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir,
         if later.name != f"step_{K:06d}":  # a save that raced the kill: resume from K regardless
             shutil.rmtree(later)
     _run(_args(model_dir, b, 2 * K, resume="auto"), env)
+    return a, b
 
+
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(runs):
+    a, b = runs
     ma, mb = _metrics(a), _metrics(b)
     assert sorted(ma) == sorted(mb) == list(range(1, 2 * K + 1))
     for step in ma:
@@ -182,3 +193,20 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, model_dir,
     assert set(exported) == set(wb)
     for name, value in wb.items():
         torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
+
+
+def test_a_checkpoint_with_no_step_left_resumed_into_a_new_run_dir_finishes(
+    runs, model_dir, ray_tmp, tmp_path
+):
+    _, b = runs
+    final = b / "checkpoints" / f"step_{2 * K:06d}"
+    fresh = tmp_path / "fresh"
+    out = _run(_args(model_dir, fresh, 2 * K, resume=str(final)), _env(ray_tmp)).stdout
+    assert f"trainer: resumed from {final} at step {2 * K}" in out
+    assert (
+        "trainer: done: no training step ran in " in out
+        and f"(nothing left to train: at step {2 * K} of trainer.total_steps={2 * K})" in out
+    ), out
+    assert "reward nan" not in out and "val/reward_mean" not in out, out
+    assert (fresh / "metrics.jsonl").read_text() == ""
+    assert (fresh / "reward_curve.png").is_file() and (fresh / "final_model").is_dir()
