@@ -84,10 +84,11 @@ def _local_cpus(cfg: Config) -> int:
     from trainer.workers.device import CPU_WORKERS
 
     pools, workers = pool_count(cfg), cfg.trainer.num_workers
+    rollout = cfg.rollout_pool_workers
     if workers:
-        return pools * workers
+        return pools * workers + rollout
     if cfg.device_request == "cpu":
-        return pools * CPU_WORKERS
+        return pools * CPU_WORKERS + rollout
     # auto workers on a node whose GPUs Ray is about to count: room for one per GPU
     return max(pools * CPU_WORKERS, os.cpu_count() or 1)
 
@@ -217,9 +218,12 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
             role: [info["pid"] for info in ray.get([h.info.remote() for h in g.hosts])]
             for role, g in groups.items()
         }
+        rollout = groups.get("rollout")
         actor.init_model()
         if critic is not None:
             critic.init_model()
+        if rollout is not None:
+            rollout.init_model()
         trainer = PPOTrainer(
             cfg,
             actor,
@@ -230,6 +234,7 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
             p.reward_fn,
             p.max_new_tokens,
             cfg.trainer.num_workers,
+            rollout,
         )
         if cfg.rollout.multi_turn.enable:
             trainer.trajectory_log = TrajectoryLog(run_dir, cfg.rollout.multi_turn.log_trajectories)
@@ -297,9 +302,10 @@ def _checkpoint_writer(run_dir: Path, actor: Any, critic: Any, keep: int) -> Any
 
     roles = [g for g in (actor, critic) if g is not None]
 
-    def save_workers(d: str, asynchronous: bool) -> None:
-        for group in roles:
-            group.save_checkpoint(d, asynchronous=asynchronous)
+    def save_workers(d: str, asynchronous: bool | str) -> bool:
+        # Every rank answers whether its write runs in the background (auto: by its device).
+        in_flight = [any(group.save_checkpoint(d, asynchronous=asynchronous)) for group in roles]
+        return any(in_flight)
 
     def wait_workers() -> None:
         for group in roles:

@@ -80,8 +80,16 @@ def _gather(refs: Sequence[Any], ranks: Sequence[int], role: str, method: str) -
 class PendingCall:
     """The result of a non-blocking call; ``.get()`` waits for it."""
 
-    def __init__(self, finish: Callable[[], Any]) -> None:
+    def __init__(self, finish: Callable[[], Any], refs: Sequence[Any] = ()) -> None:
         self._finish = finish
+        self._refs = list(refs)
+
+    def ready(self) -> bool:
+        """Whether every rank has finished (``.get()`` would not wait)."""
+        if not self._refs:
+            return True
+        done, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(done) == len(self._refs)
 
     def get(self) -> Any:
         """Wait for every rank and return what the blocking call would have returned."""
@@ -123,7 +131,7 @@ class RoleGroup:
             results = _gather(refs, split.ranks, self.role, name)
             return collect_results(spec.mode, results, split.pad_size)
 
-        return finish() if spec.blocking else PendingCall(finish)
+        return finish() if spec.blocking else PendingCall(finish, refs)
 
     def shutdown(self) -> None:
         """Kill this group's processes (with ``colocate="process"``, shared with the roles on its pool)."""

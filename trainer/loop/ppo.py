@@ -25,6 +25,7 @@ from trainer.config import Config
 from trainer.data import batch as batch_ops
 from trainer.data.prompts import PromptDataset, PromptLoader
 from trainer.data.rewards import RewardFn, score
+from trainer.loop.rollouts import ColocatedRollouts, PooledRollouts
 from trainer.rollout import episodes
 
 #: Peaks are reported as the largest over data-parallel ranks, not their mean.
@@ -206,7 +207,10 @@ def colocation_mode(cfg: Config, colocate: bool | None = None) -> str:
 
 
 def pool_count(cfg: Config, colocate: bool | None = None) -> int:
-    """Pools a run reserves: 2 when the critic has a pool of its own (colocate=none), else 1."""
+    """Training pools a run reserves: 2 when the critic has one of its own (colocate=none), else 1.
+
+    The rollout pool (``rollout.workers``) is counted apart: its size is its own.
+    """
     return 2 if cfg.use_critic and colocation_mode(cfg, colocate) == "none" else 1
 
 
@@ -223,15 +227,22 @@ def plan_on_cluster(cfg: Config, pools: int = 1) -> None:
     from trainer.workers.device import plan_devices
 
     gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    # On cards, every rollout worker holds one of its own: the training pools get the rest.
+    gpus = max(0.0, gpus - cfg.rollout_pool_workers) if gpus >= 1 else gpus
     plan = plan_devices(cfg.device_request, gpus, cfg.trainer.num_workers, pools)
     cfg.trainer.use_gpu = plan.use_gpu
     cfg.trainer.num_workers = plan.num_workers
 
 
 def build_worker_groups(
-    cfg: Config, model_path: str, max_new_tokens: int, *, colocate: bool | None = None
+    cfg: Config,
+    model_path: str,
+    max_new_tokens: int,
+    *,
+    colocate: bool | None = None,
+    rollout_cls: type | None = None,
 ) -> dict[str, Any]:
-    """Start the role groups on the running Ray cluster: actor (+ critic).
+    """Start the role groups on the running Ray cluster: actor (+ critic) (+ rollout).
 
     First settles the device and the worker count from the cluster
     (:func:`plan_on_cluster`).
@@ -244,9 +255,14 @@ def build_worker_groups(
     fractional GPU share of verl-style colocation). ``none``: the critic gets a
     pool of its own, as many processes again. ``colocate=False`` overrides the
     config with ``none``.
+
+    With ``rollout.workers >= 1`` (or ``rollout.staleness >= 1``) a ``rollout``
+    group of that many :class:`~trainer.workers.rollout.RolloutWorker`
+    (``rollout_cls``, a subclass for tests) gets a pool of its own.
     """
     from trainer.controller import ResourcePool, ResourcePoolManager, create_role_groups
     from trainer.workers import ActorRolloutRefWorker, CriticWorker
+    from trainer.workers.rollout import RolloutWorker
 
     mode = colocation_mode(cfg, colocate)
     plan_on_cluster(cfg, pools=pool_count(cfg, colocate))
@@ -263,6 +279,10 @@ def build_worker_groups(
         if mode == "none":
             pools["critic"] = pool()
         specs["critic"] = (CriticWorker, {"config": cfg, "model_path": model_path})
+    if cfg.rollout_pool_workers:
+        pools["rollout"] = ResourcePool([cfg.rollout_pool_workers], use_gpu=cfg.trainer.use_gpu)
+        roles["rollout"] = "rollout"
+        specs["rollout"] = (rollout_cls or RolloutWorker, actor_kwargs)
     manager = ResourcePoolManager(pools, roles)
     return create_role_groups(manager, specs, colocate="actor" if mode == "actor" else "process")
 
@@ -331,6 +351,7 @@ class PPOTrainer:
         reward_fn: RewardFn,
         max_new_tokens: int,
         world_size: int,
+        rollout: Any | None = None,
     ) -> None:
         self.cfg = cfg
         self.actor, self.critic = actor, critic
@@ -342,6 +363,20 @@ class PPOTrainer:
         self.loader = PromptLoader(
             len(train), cfg.data.train_batch_size, cfg.seed, cfg.data.shuffle
         )
+        self.rollouts: ColocatedRollouts | PooledRollouts
+        """Where batches come from: the actor's workers, or the ``rollout`` pool's."""
+        if rollout is None:
+            self.rollouts = ColocatedRollouts(cfg, actor, train, self.loader)
+        else:
+            self.rollouts = PooledRollouts(
+                cfg,
+                actor,
+                rollout,
+                train,
+                self.loader,
+                cfg.rollout.staleness,
+                cfg.trainer.total_steps,
+            )
         self.kl_ctrl = make_kl_controller(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable
         self.trajectory_log: episodes.TrajectoryLog | None = None
@@ -359,18 +394,12 @@ class PPOTrainer:
         cfg, n, m = self.cfg, self.cfg.rollout.n, {}
         step = self.step
         t_start = time.perf_counter()
-        indices = self.loader.next_indices()
-        prompts, gts, extras = self.train.batch(indices)
-        if self.multi_turn:
-            prompts = episodes.attach_tools_kwargs(prompts, extras)
-        group_ids = group_ids_for(len(indices), n)
-        prompts = batch_ops.repeat_interleave(prompts, n)
-        gts = [gts[i] for i in group_ids.tolist()]
-        extras = [extras[i] for i in group_ids.tolist()]
 
-        # 1. rollout: n samples per prompt
-        with _timed(m, "gen"):
-            batch = self.actor.generate_sequences(prompts)
+        # 1. rollout: n samples per prompt (generated now, or queued on the rollout pool)
+        self.rollouts.prepare(step)
+        ro = self.rollouts.take(step)
+        m.update(ro.metrics)
+        batch, gts, extras, group_ids = ro.batch, ro.ground_truths, ro.extras, ro.group_ids
         mask = batch["response_mask"]
 
         # 2. rewards from the rule (or user function) on the decoded text
@@ -391,6 +420,12 @@ class PPOTrainer:
                 mismatch = rollout_mismatch.mismatch_totals(
                     lp["old_log_probs"], batch["rollout_log_probs"], mask
                 )
+                if ro.lag is not None:
+                    m.update(
+                        rollout_mismatch.mismatch_by_lag(
+                            lp["old_log_probs"], batch["rollout_log_probs"], mask, ro.lag
+                        )
+                    )
         if cfg.use_reference:
             with _timed(m, "ref"):
                 batch["ref_log_probs"] = self.actor.compute_ref_log_prob(batch)["ref_log_probs"]
@@ -404,7 +439,7 @@ class PPOTrainer:
                 self.kl_ctrl.value,
             )
             m["actor/reward_kl"], m["actor/kl_coef"] = seq_kl, float(self.kl_ctrl.value)
-            self.kl_ctrl.update(seq_kl, len(indices) * n)
+            self.kl_ctrl.update(seq_kl, ro.num_prompts * n)
         values = None
         if self.critic is not None:
             with _timed(m, "values"):
@@ -446,6 +481,8 @@ class PPOTrainer:
                 m.update(merged)
         m.update(rollout_mismatch.mismatch_metrics(mismatch))
         m.update(rollout_mismatch.importance_metrics(mismatch))
+        # 6. the rollout pool (if any) gets the new weights before it generates again
+        m.update(self.rollouts.after_update(step + 1))
 
         elapsed = time.perf_counter() - t_start
         n_tokens = int(mask.sum())
@@ -461,6 +498,10 @@ class PPOTrainer:
                 "perf/response_tokens": float(n_tokens),
             }
         )
+        if "async/wait_s" in m:
+            m["async/trainer_idle_frac"] = min(1.0, m["async/wait_s"] / max(elapsed, 1e-9))
+            busy = m["timing/gen"] + m.get("async/push_s", 0.0)
+            m["async/rollout_idle_frac"] = max(0.0, 1.0 - busy / max(elapsed, 1e-9))
         if lp is not None:
             m["actor/entropy"] = masked_mean(lp["entropy"], mask)
         m.update(self.train.metrics("rollout"))
@@ -475,9 +516,8 @@ class PPOTrainer:
         if self.multi_turn:
             prompts = episodes.attach_tools_kwargs(prompts, extras)
         rep = group_ids_for(len(self.val), vn).tolist()
-        out = self.actor.generate_sequences(
-            batch_ops.repeat_interleave(prompts, vn), validation=True
-        )
+        self.rollouts.prepare(self.step)
+        out = self.rollouts.generate(batch_ops.repeat_interleave(prompts, vn), validation=True)
         m: dict[str, float] = {}
         texts, val_extras = self._reward_inputs(out, [extras[i] for i in rep], m, "val")
         scores = score_responses(
@@ -556,7 +596,7 @@ class PPOTrainer:
         """Driver state for a checkpoint, JSON-able: step, data position, KL controller, RNG states."""
         return {
             "step": self.step,
-            "loader": self.loader.state_dict(),
+            "loader": self.rollouts.resume_loader_state(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "rng": rng.capture(),
         }
@@ -565,5 +605,6 @@ class PPOTrainer:
         """Restore what :meth:`state_dict` returned."""
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
+        self.rollouts.restart(self.step)
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         rng.restore(state["rng"])

@@ -314,6 +314,8 @@ class VLLMEngine:
             seed=seed,
         )
         self.awake = {"weights", "kv_cache"}
+        self.prefix_cache_reset = True
+        """Whether vLLM dropped its prefix cache at the last :meth:`sync_weights`."""
         self._sleep()
 
     # -- sleep mode (CUDA only) --------------------------------------------------
@@ -335,10 +337,12 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync_weights(self) -> None:
-        """Push the actor's current weights into vLLM (collective: every rank joins the gathers)."""
+        """Push the actor's current weights into vLLM and drop its prefix cache (collective: every rank joins the gathers)."""
         self._wake(["weights"])
         weights = weights_for_vllm(_full_tensors(self.model, self.device, self.dtype), self.tied)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # Keys and values cached for prompts seen before were computed by the old weights.
+        self.prefix_cache_reset = bool(self.llm.reset_prefix_cache())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -35,7 +35,7 @@ from trainer.workers.settings import (
     share_prompt,
 )
 from trainer.workers.setup import build_actor, build_optimizer
-from trainer.workers.state import CheckpointSaver, load_training_state
+from trainer.workers.state import CheckpointSaver, background_save, load_training_state
 
 __all__ = ["ActorRolloutRefWorker", "place_model", "seed_worker", "worker_device"]
 
@@ -99,13 +99,16 @@ class ActorRolloutRefWorker(Worker):
         if self.cfg.use_reference:
             ref = build_actor(self.model_path).requires_grad_(False)
             self.ref = place_model(ref, self.device, self.strategy, a.offload).eval()
+        self.engine = None
+        self.multi_turn = None
+        if self.cfg.rollout_pool_workers:  # the rollout pool generates
+            return
         self.engine = build_engine(
             self.cfg.rollout.engine,
             self.actor,
             self.tokenizer,
             **engine_options(self.cfg, self.model_path, self.device, self.rank),
         )
-        self.multi_turn = None
         if self.cfg.rollout.multi_turn.enable:  # the episode loop over the same engine
             self.multi_turn = build_rollout(self.cfg, self.engine, self.tokenizer)
 
@@ -115,6 +118,11 @@ class ActorRolloutRefWorker(Worker):
 
     def generate_sequences(self, prompts: TensorDict, validation: bool = False) -> TensorDict:
         """Sample one response per row of ``prompts`` (rows are already repeated n times)."""
+        if self.engine is None:
+            raise RuntimeError(
+                "this actor has no rollout engine: with rollout.workers or rollout.staleness "
+                "set, the rollout pool generates"
+            )
         params = sampling_params(self.cfg, self.max_new_tokens, validation=validation)
         # The HF engine runs the training module itself; vLLM holds its own copy.
         shared = self.cfg.rollout.engine == "hf"
@@ -159,23 +167,27 @@ class ActorRolloutRefWorker(Worker):
         self.scheduler.step()
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics.update(peak_memory_metrics(self.device))
-        self.engine.sync_weights()
+        if self.engine is not None:
+            self.engine.sync_weights()
         return metrics
 
-    def save_checkpoint(self, directory: str, asynchronous: bool = False) -> None:
+    def save_checkpoint(self, directory: str, asynchronous: bool | str = False) -> bool:
         """Write this rank's shard of policy and optimizer, its RNG and the scheduler.
 
         Rank 0 adds the config and tokenizer (for ``python -m trainer.checkpoints.export``).
-        ``asynchronous``: return once staged in host memory; :meth:`wait_checkpoint` ends it.
+        ``asynchronous`` is ``trainer.async_save`` (``auto`` follows this worker's device,
+        :func:`background_save`): when it holds, return once staged in host memory and
+        :meth:`wait_checkpoint` ends it. Returns whether the write runs in the background.
         """
         self.saver.save(
             directory,
             self.actor,
             self.optimizer,
             self.scheduler,
-            asynchronous=asynchronous,
+            asynchronous=background_save(asynchronous, self.device.type),
             extra=lambda role_dir: write_hf_files(role_dir, self.actor, self.tokenizer),
         )
+        return self.saver.pending
 
     def wait_checkpoint(self) -> None:
         """Wait for this rank's background checkpoint write; raise if it failed."""
@@ -186,7 +198,8 @@ class ActorRolloutRefWorker(Worker):
         load_training_state(
             directory, "actor", self.rank, self.actor, self.optimizer, self.scheduler
         )
-        self.engine.sync_weights()
+        if self.engine is not None:
+            self.engine.sync_weights()
 
     def state_dict(self) -> dict[str, Any]:
         """The policy's weights on CPU (from rank 0; ddp only).
