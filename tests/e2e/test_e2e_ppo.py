@@ -128,10 +128,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def train(
     e2e_ray, model_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., RunResult]:
-    """``train(name, *overrides, colocate=True)``: one run on the module's cluster."""
+    """``train(name, *overrides, colocate=True, rollout_pool=False)``: one run on the module's cluster.
 
-    def run(name: str, *overrides: str, colocate: bool = True, run_dir: Path | None = None):
-        pools = 1 if colocate else 2
+    ``rollout_pool``: generation on a rollout pool as large as the actor's.
+    """
+
+    def run(
+        name: str,
+        *overrides: str,
+        colocate: bool = True,
+        rollout_pool: bool = False,
+        run_dir: Path | None = None,
+    ):
+        pools = 1 if colocate and not rollout_pool else 2
+        devices = _device_overrides(e2e_ray.num_gpus, pools)
+        if rollout_pool:
+            workers = devices[-1].split("=")[1]
+            devices.append(f"rollout.workers={workers}")
         cfg = load_config(
             [
                 f"model.path={model_dir}",
@@ -139,7 +152,7 @@ def train(
                 "trainer.progress=false",
                 "trainer.tensorboard=false",
                 f"trainer.run_dir={run_dir or tmp_path_factory.mktemp(name)}",
-                *_device_overrides(e2e_ray.num_gpus, pools),
+                *devices,
                 *overrides,
             ]
         )
@@ -166,6 +179,15 @@ def gae_actor_shares(train) -> RunResult:
     return train(
         "gae-actor-shares", "algo=gae", "trainer.colocate=actor", "trainer.total_steps=2",
         "trainer.val_every=0",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gae_async(train) -> RunResult:
+    """PPO with GAE, generation on a rollout pool one batch ahead of the update (short run)."""
+    return train(
+        "gae-async", "algo=gae", "rollout.staleness=1", "trainer.total_steps=3",
+        "trainer.val_every=3", rollout_pool=True,
     )  # fmt: skip
 
 
@@ -236,6 +258,20 @@ def test_separate_pools_use_other_processes_and_learn(gae_separate: RunResult) -
     assert not set(pids["actor"]) & set(pids["critic"]), pids
     _assert_learns(gae_separate)
     _assert_finite(gae_separate, FINITE_ACTOR + FINITE_CRITIC)
+
+
+def test_async_generation_runs_on_its_own_pool_within_the_staleness_bound(
+    gae_async: RunResult,
+) -> None:
+    pids = gae_async.worker_pids
+    assert set(pids) == {"actor", "critic", "rollout"}
+    assert not set(pids["actor"]) & set(pids["rollout"]), pids
+    assert _metric(gae_async, "async/lag_max") == [0.0, 1.0, 1.0]
+    assert _metric(gae_async, "async/queue_depth") == [1.0, 1.0, 0.0]
+    pushes = [m["async/weights_in_sync"] for m in gae_async.history if "async/push_s" in m]
+    assert pushes and set(pushes) == {1.0}, pushes
+    _assert_finite(gae_async, FINITE_ACTOR + FINITE_CRITIC + ("rollout/is_ess",))
+    assert gae_async.final_val_reward is not None
 
 
 def test_actor_colocation_shares_bundles_from_separate_processes(

@@ -18,10 +18,10 @@ from tensordict import TensorDict
 
 from trainer.algorithms import ppo_math as algos
 from trainer.data import batch as batch_ops
+from trainer.data.batch import group_ids_for
 from trainer.loop.ppo import (
     apply_kl_in_reward,
     compute_advantages,
-    group_ids_for,
     pad_for_update,
     token_level_rewards,
 )

@@ -7,13 +7,13 @@ import importlib.util
 import pytest
 import torch
 
+from trainer.data.batch import group_ids_for
 from trainer.data.rewards import char_match
 from trainer.loop.ppo import (
     compute_advantages,
     decode_responses,
     explained_variance,
     finished_mask,
-    group_ids_for,
     pad_for_update,
     score_responses,
     token_level_rewards,

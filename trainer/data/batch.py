@@ -33,6 +33,7 @@ __all__ = [
     "concat",
     "device_of",
     "from_samples",
+    "group_ids_for",
     "merge_metrics",
     "pad_to_divisor",
     "repeat_interleave",
@@ -247,6 +248,13 @@ def union(a: TensorDictBase, b: TensorDictBase) -> TensorDictBase:
             f"union: keys {sorted(conflicts)} are in both batches with different values"
         )
     return _normalized(out)
+
+
+def group_ids_for(
+    num_prompts: int, n: int, offset: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Group id per sample after repeating each prompt ``n`` times in place."""
+    return torch.arange(offset, offset + num_prompts, device=device).repeat_interleave(n)
 
 
 def repeat_interleave(td: TensorDictBase, n: int) -> TensorDictBase:

@@ -131,13 +131,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float("nan") if var_y == 0 else float(1 - torch.var(y - v) / var_y)
 
 
-def group_ids_for(
-    num_prompts: int, n: int, offset: int = 0, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Group id per sample after repeating each prompt ``n`` times in place."""
-    return torch.arange(offset, offset + num_prompts, device=device).repeat_interleave(n)
-
-
 def needs_old_log_prob_pass(cfg: Config) -> bool:
     """Whether a step needs a separate forward pass for the sampling policy's log-probs.
 
@@ -399,7 +392,8 @@ class PPOTrainer:
         self.rollouts.prepare(step)
         ro = self.rollouts.take(step)
         m.update(ro.metrics)
-        batch, gts, extras, group_ids = ro.batch, ro.ground_truths, ro.extras, ro.group_ids
+        batch, gts, extras = ro.batch, ro.drawn.ground_truths, ro.drawn.extras
+        group_ids = ro.drawn.group_ids
         mask = batch["response_mask"]
 
         # 2. rewards from the rule (or user function) on the decoded text
@@ -439,7 +433,7 @@ class PPOTrainer:
                 self.kl_ctrl.value,
             )
             m["actor/reward_kl"], m["actor/kl_coef"] = seq_kl, float(self.kl_ctrl.value)
-            self.kl_ctrl.update(seq_kl, ro.num_prompts * n)
+            self.kl_ctrl.update(seq_kl, ro.drawn.num_prompts * n)
         values = None
         if self.critic is not None:
             with _timed(m, "values"):
@@ -515,7 +509,7 @@ class PPOTrainer:
         prompts, gts, extras = self.val.batch(range(len(self.val)))
         if self.multi_turn:
             prompts = episodes.attach_tools_kwargs(prompts, extras)
-        rep = group_ids_for(len(self.val), vn).tolist()
+        rep = batch_ops.group_ids_for(len(self.val), vn).tolist()
         self.rollouts.prepare(self.step)
         out = self.rollouts.generate(batch_ops.repeat_interleave(prompts, vn), validation=True)
         m: dict[str, float] = {}

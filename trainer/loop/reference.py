@@ -19,6 +19,7 @@ import torch
 
 from trainer.algorithms import ppo_math as algos
 from trainer.config import Config, load_config
+from trainer.data.batch import group_ids_for
 from trainer.data.prompts import PromptLoader, build_datasets
 from trainer.loop.ppo import (
     apply_kl_in_reward,
@@ -26,7 +27,6 @@ from trainer.loop.ppo import (
     decode_responses,
     explained_variance,
     finished_mask,
-    group_ids_for,
     masked_mean,
     needs_old_log_prob_pass,
     resolve_reward_fn,

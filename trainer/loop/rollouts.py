@@ -33,7 +33,7 @@ from trainer.data.prompts import PromptDataset, PromptLoader
 from trainer.loop.staleness import Admission, StalenessError, check_lag
 from trainer.rollout import episodes
 
-__all__ = ["ColocatedRollouts", "PooledRollouts", "Rollout", "WeightPushError"]
+__all__ = ["ColocatedRollouts", "DrawnPrompts", "PooledRollouts", "Rollout", "WeightPushError"]
 
 
 class WeightPushError(RuntimeError):
@@ -41,47 +41,43 @@ class WeightPushError(RuntimeError):
 
 
 @dataclass
-class Rollout:
-    """One step's generated batch and what the driver keeps beside it."""
+class DrawnPrompts:
+    """One step's prompts, drawn from the data order, and what the driver keeps beside them."""
 
-    batch: TensorDict
+    prompts: TensorDict
+    """Left-padded, each prompt repeated ``rollout.n`` times in place."""
     ground_truths: list[Any]
     extras: list[dict[str, Any]]
     group_ids: torch.Tensor
     num_prompts: int
     index: int
-    """The step this batch was drawn for."""
+    """The step these prompts were drawn for."""
     loader_state: dict[str, int]
-    """The data position before its prompts were drawn (where a resume draws them again)."""
+    """The data position before they were drawn (where a resume draws them again)."""
+
+
+@dataclass
+class Rollout:
+    """One step's generated batch."""
+
+    batch: TensorDict
+    drawn: DrawnPrompts
     metrics: dict[str, float] = field(default_factory=dict)
     lag: torch.Tensor | None = None
     """(B,) policy versions the actor is ahead of the one that generated each row (pools only)."""
 
 
-@dataclass
-class _Drawn:
-    prompts: TensorDict
-    ground_truths: list[Any]
-    extras: list[dict[str, Any]]
-    group_ids: torch.Tensor
-    num_prompts: int
-    index: int
-    loader_state: dict[str, int]
-
-
-def _draw(cfg: Config, train: PromptDataset, loader: PromptLoader, index: int) -> _Drawn:
+def _draw(cfg: Config, train: PromptDataset, loader: PromptLoader, index: int) -> DrawnPrompts:
     """The next prompts of the data order, each repeated ``rollout.n`` times in place."""
-    from trainer.loop.ppo import group_ids_for
-
     n = cfg.rollout.n
     state = loader.state_dict()
     indices = loader.next_indices()
     prompts, gts, extras = train.batch(indices)
     if cfg.rollout.multi_turn.enable:
         prompts = episodes.attach_tools_kwargs(prompts, extras)
-    group_ids = group_ids_for(len(indices), n)
+    group_ids = batch_ops.group_ids_for(len(indices), n)
     rows = group_ids.tolist()
-    return _Drawn(
+    return DrawnPrompts(
         batch_ops.repeat_interleave(prompts, n),
         [gts[i] for i in rows],
         [extras[i] for i in rows],
@@ -106,10 +102,7 @@ class ColocatedRollouts:
         d = _draw(self.cfg, self.train, self.loader, step)
         t0 = time.perf_counter()
         batch = self.actor.generate_sequences(d.prompts)
-        m = {"timing/gen": time.perf_counter() - t0}
-        return Rollout(
-            batch, d.ground_truths, d.extras, d.group_ids, d.num_prompts, step, d.loader_state, m
-        )
+        return Rollout(batch, d, {"timing/gen": time.perf_counter() - t0})
 
     def generate(self, prompts: TensorDict, validation: bool = False) -> TensorDict:
         """Generate ``prompts`` now (validation)."""
@@ -132,7 +125,7 @@ class ColocatedRollouts:
 
 @dataclass
 class _Pending:
-    drawn: _Drawn
+    drawn: DrawnPrompts
     call: Any
     """The pending ``generate_async`` call (``.get()`` waits)."""
 
@@ -247,18 +240,7 @@ class PooledRollouts:
             "timing/gen": gen_s,
         }
         self.push_metrics = {}
-        d = pending.drawn
-        return Rollout(
-            batch,
-            d.ground_truths,
-            d.extras,
-            d.group_ids,
-            d.num_prompts,
-            step,
-            d.loader_state,
-            m,
-            row_lag,
-        )
+        return Rollout(batch, pending.drawn, m, row_lag)
 
     def generate(self, prompts: TensorDict, validation: bool = False) -> TensorDict:
         """Generate ``prompts`` on the rollout pool after everything queued (validation)."""
