@@ -12,14 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpusched import EXIT_FAILED, EXIT_OK, EXIT_USAGE, STATE_DIR, session
 from gpusched.atomic import atomic_write
-from gpusched.collection.collect import CollectionFailed
+from gpusched.collection.collect import Collection, CollectionFailed
+from gpusched.collection.stream import POLL, collect_streaming
 from gpusched.execution.cluster.agent import AgentConfig
 from gpusched.execution.cluster.driver import (
     Agent,
@@ -35,16 +40,18 @@ from gpusched.execution.cluster.driver import (
     start_agents,
 )
 from gpusched.execution.cluster.reach import parse_address
-from gpusched.execution.forkclient import EarlyServer, new_run_id
-from gpusched.history import HISTORY_FILE, observations, record_durations
+from gpusched.execution.forkclient import EarlyServer, ForkServer, new_run_id
+from gpusched.feed import Backlog, Feeder
+from gpusched.history import HISTORY_FILE, load_history, observations, record_durations
 from gpusched.inventory import Card
-from gpusched.options import UsageError
+from gpusched.options import UsageError, check_paths
 from gpusched.reporting.report import ConsoleReporter, display_path, format_place
 from gpusched.results import FileResult
 from gpusched.scheduling.cluster import cluster_requirement, simulate_cluster
 from gpusched.scheduling.packing import Job
 
 RAY_LOG = "ray.log"  # under .gpusched/logs: what Ray itself printed on the driver
+T = TypeVar("T")
 
 
 def check_settings(settings: dict[str, Any]) -> None:
@@ -90,36 +97,13 @@ class NodeReporter:
     def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None:
         self.inner.heartbeat(running)
 
+    def joined(self, node: str, cards: tuple[str, ...], cpu_slots: int) -> None:
+        """The live view gets the node's cards and slots as rows, idle until files come."""
+        if self.live:
+            self.inner.add_slots(tuple(f"{node}:{card}" for card in cards), cpu_slots)
+
     def say(self, line: str) -> None:
         self.inner.say(line)
-
-
-def _collect(
-    paths: Sequence[str],
-    settings: dict[str, Any],
-    pytest_args: Sequence[str],
-    reporter: ConsoleReporter,
-    early: EarlyServer | None,
-    run_id: str,
-) -> session.Prepared:
-    """Collection on the driver, as on one machine but without local cards.
-
-    The collection cache is off: its predictions are checked by each file's
-    child on one machine, which a cluster run does not do yet.
-    """
-    local = {**settings, "simulate_gpus": "0", "gpus": None, "collect_cache": False}
-    with session.fork_server(paths, local, run_id, reporter, early) as server:
-        return session.prepare(paths, local, pytest_args, server)
-
-
-def _cluster_jobs(prepared: session.Prepared, agents: Sequence[Agent]) -> list[Job]:
-    nodes = policy_nodes(agents)
-    return [
-        dataclasses.replace(
-            job, requirement=cluster_requirement(entry.requirement, entry.levels, nodes)
-        )
-        for job, entry in zip(prepared.jobs, prepared.collection.files, strict=True)
-    ]
 
 
 def run(
@@ -129,41 +113,22 @@ def run(
     reporter: ConsoleReporter | None = None,
     early: EarlyServer | None = None,
 ) -> int:
-    """``gpusched run --ray``: collect here, run across the cluster, report here. The exit code."""
+    """``gpusched run --ray``: collect here while the cluster starts, run each file across the
+    cluster as soon as collection found it, report here. The exit code."""
     reporter = reporter or ConsoleReporter()
     check_settings(settings)
     session.check_per_test_timeout(settings)
+    check_paths(paths)
     run_id = early.spec.run_id if early is not None else new_run_id()
+    local = {**settings, "simulate_gpus": "0", "gpus": None}  # collection: no cards here
     try:
-        prepared = _collect(paths, settings, pytest_args, reporter, early, run_id)
-    except KeyboardInterrupt:
-        reporter.say("gpusched: interrupted during collection")
-        return session.finish([], True, [], settings, reporter)
-    except CollectionFailed as exc:
-        if exc.exit_code == EXIT_USAGE:
-            raise UsageError(str(exc)) from None
-        reporter.say(f"gpusched: {exc}")
-        return exc.exit_code
-    for warning in prepared.warnings:
-        reporter.say(f"gpusched: warning: {warning}")
-    results = session.collection_results(prepared.collection)
-    for result in results:
-        reporter.finished(result)
-    if not prepared.jobs:
-        if not results:
-            reporter.say("gpusched: no tests collected")
-        return session.finish(results, False, [], settings, reporter)
-    root = Path(prepared.collection.rootdir)
-    try:
-        with ray_messages():
-            return _run_on_cluster(
-                prepared, root, run_id, settings, paths, pytest_args, reporter, results
-            )
+        with session.fork_server(paths, local, run_id, reporter, early) as server, ray_messages():
+            return _run(paths, settings, pytest_args, reporter, server, run_id)
     except ClusterError as exc:
         raise UsageError(str(exc)) from None
     except KeyboardInterrupt:
-        reporter.say("gpusched: interrupted while starting the node agents")
-        return session.finish(results, True, [], settings, reporter)
+        reporter.say("gpusched: interrupted before the run started")
+        return session.finish([], True, [], settings, reporter)
 
 
 @contextlib.contextmanager
@@ -185,29 +150,212 @@ def ray_messages() -> Iterator[None]:
             disconnect()
 
 
-def _run_on_cluster(
-    prepared: session.Prepared,
-    root: Path,
-    run_id: str,
-    settings: dict[str, Any],
-    paths: Sequence[str],
-    pytest_args: Sequence[str],
-    reporter: ConsoleReporter,
-    results: list[FileResult],
-) -> int:
+@dataclass
+class _Cluster:
+    """The cluster as the run found it: its agents, ready for files."""
+
+    agents: list[Agent]
+
+
+class _NotMainThread(logging.Filter):
+    """Ray's warning that ``ray.init`` outside the main thread sets no SIGTERM handler: the
+    run's event loop handles SIGTERM itself (``ClusterRun``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not the main thread" not in record.getMessage()
+
+
+def start_cluster(root: Path, settings: dict[str, Any]) -> _Cluster:
+    """Connect (shipping ``root`` unless the nodes share it), start and check every node's
+    agent. Runs in a thread of its own while the collection goes on; raises ClusterError."""
+    logging.getLogger("ray._private.worker").addFilter(_NotMainThread())
     shared = settings.get("ray_shared")
     connect(settings["ray"], CodeSpec(root, shared, tuple(settings.get("ray_excludes", ()))))
     agents = start_agents(settings["cpu_slots"])
     check_versions(agents)
-    jobs = _cluster_jobs(prepared, agents)
-    reporter.say(
-        f"gpusched: {len(jobs)} files on {len(agents)} nodes: "
-        + ", ".join(describe_node(agent) for agent in agents)
+    return _Cluster(agents)
+
+
+async def in_thread(work: Callable[[], T]) -> T:
+    """``work()`` in a daemon thread: unlike ``asyncio.to_thread``, an interrupted run does not
+    wait at exit for a connection still under way."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def target() -> None:
+        try:
+            result = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome: tuple[T | None, BaseException | None] = (None, exc)
+        else:
+            outcome = (result, None)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=target, name="gpusched-cluster-start", daemon=True).start()
+    return await future
+
+
+@dataclass
+class _Ran:
+    """What the collection and the cluster run left, for the reports."""
+
+    collection: Collection | None = None
+    failure: CollectionFailed | None = None
+    feeder: Feeder | None = None
+    cluster_run: ClusterRun | None = None
+
+
+def _run(
+    paths: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter,
+    server: ForkServer | None,
+    run_id: str,
+) -> int:
+    selection = session.selection_args(settings)
+    args = [*selection, *pytest_args]
+    cache = session.collection_cache(paths, settings, args)
+    history, warning = load_history(STATE_DIR / HISTORY_FILE)
+    if warning:
+        reporter.say(f"gpusched: warning: {warning}")
+    ran = asyncio.run(
+        _collect_and_run(
+            paths, args, settings, pytest_args, reporter, server, cache, history, run_id
+        )
     )
+    collection, failure, feeder, cluster_run = (
+        ran.collection, ran.failure, ran.feeder, ran.cluster_run
+    )  # fmt: skip
+    if failure is not None and cluster_run is None:  # the collection failed before any node
+        if failure.exit_code == EXIT_USAGE:
+            raise UsageError(str(failure)) from None
+        reporter.say(f"gpusched: {failure}")
+        return failure.exit_code
+    assert feeder is not None and cluster_run is not None
+    disconnect()  # the agents are done: nothing from Ray after the summary
+    results = feeder.results + cluster_run.report.results
+    report = cluster_run.report
+    rootdir = feeder.rootdir
+    if collection is not None and cache is not None:
+        session.remember_collection(cache[0], collection)
+        session.forget_collected(cache[0], sorted(cluster_run.recollected), rootdir)
+    if collection is not None and not results and failure is None:
+        reporter.say("gpusched: no tests collected")
+    warning = record_durations(STATE_DIR / HISTORY_FILE, observations(report.results, rootdir))
+    if warning:
+        reporter.say(f"gpusched: warning: {warning}")
+    nodes = {
+        agent.name: [card.id for card in agent.info.cards]
+        for agent in cluster_run.agents.values()  # with the nodes that joined
+    }
+    if settings.get("timeline"):
+        from gpusched.reporting.timeline import timeline_html
+
+        atomic_write(settings["timeline"], timeline_html(results, nodes=nodes))
+    for name, why in report.lost:
+        reporter.say(f"gpusched: node {name} was lost: {why}")
+    if failure is not None:
+        if failure.exit_code == EXIT_USAGE and not report.results:
+            raise UsageError(str(failure)) from None
+        reporter.say(f"gpusched: {failure}")
+        if not results:
+            return failure.exit_code
+        session.finish(results, report.interrupted, report.quarantined, settings, reporter, nodes)
+        return failure.exit_code
+    if report.interrupted and collection is None:
+        reporter.say("gpusched: interrupted during collection")
+    return session.finish(
+        results, report.interrupted, report.quarantined, settings, reporter, nodes
+    )
+
+
+async def _collect_and_run(
+    paths: Sequence[str],
+    args: Sequence[str],
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter,
+    server: ForkServer | None,
+    cache: tuple[Path, str] | None,
+    history: dict[str, Any],
+    run_id: str,
+) -> _Ran:
+    """Collection (streaming, from the collection cache where it can) beside the cluster's
+    start; then beside the run, which takes each file as soon as both are there.
+
+    Files found while the agents start wait in a ``Backlog``; the collection's
+    first event names the rootdir, the directory shipped to the nodes.
+    """
+    backlog = Backlog()
+    if server is not None:
+        server.attach()
+    try:
+        collecting = asyncio.create_task(
+            collect_streaming(
+                paths, args, settings["collect_timeout"], backlog.on_event, server, cache
+            )
+        )
+        try:
+            root = await _rootdir(backlog, collecting)
+            if root is None:  # the collection failed before it named its rootdir
+                exc = collecting.exception()
+                assert isinstance(exc, CollectionFailed), exc
+                return _Ran(failure=exc)
+            cluster = await in_thread(functools.partial(start_cluster, Path(root), settings))
+        except BaseException:
+            collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, CollectionFailed):
+                await collecting
+            raise
+        return await _run_cluster(
+            cluster, Path(root), collecting, backlog, settings, pytest_args, reporter, history,
+            run_id, paths,
+        )  # fmt: skip
+    finally:
+        if server is not None:
+            server.detach()
+
+
+async def _rootdir(backlog: Backlog, collecting: asyncio.Task[Collection]) -> str | None:
+    """The collection's rootdir as soon as it is known; None if the collection failed first."""
+    while backlog.rootdir is None and not collecting.done():
+        await asyncio.wait({collecting}, timeout=POLL)
+    if backlog.rootdir is not None:
+        return backlog.rootdir
+    try:
+        return collecting.result().rootdir
+    except CollectionFailed:
+        return None
+
+
+async def _run_cluster(
+    cluster: _Cluster,
+    root: Path,
+    collecting: asyncio.Task[Collection],
+    backlog: Backlog,
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    reporter: ConsoleReporter,
+    history: dict[str, Any],
+    run_id: str,
+    paths: Sequence[str],
+) -> _Ran:
+    agents = cluster.agents
     for line in describe_holdings(agents):
         reporter.say(line)
     log_dir = STATE_DIR / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    shared = settings.get("ray_shared")
     config = AgentConfig(
         run_id=run_id,
         t0=time.time(),
@@ -222,41 +370,57 @@ def _run_on_cluster(
         gpu_release_timeout=settings["gpu_release_timeout"],
         gpu_release_memory=settings["gpu_release_memory"],
     )
-    tests = {entry.path: entry.tests for entry in prepared.collection.files}
     live_cards = [Card(f"{a.name}:{card.id}") for a in agents for card in a.info.cards]
-    live = session.live_reporter(reporter, live_cards, sum(a.cpu_slots for a in agents), len(jobs))
+    slots = sum(a.cpu_slots for a in agents)
+    live = session.live_reporter(reporter, live_cards, slots, 0, collecting=True)
+    out = NodeReporter(live or reporter, live is not None)
     cluster_run = ClusterRun(
         agents,
         config,
-        tests,
-        NodeReporter(live or reporter, live is not None),
+        {},
+        out,
         root=root,
         log_dir=log_dir,
         exitfirst=settings["exitfirst"],
         heartbeat=None if live is not None else settings["heartbeat"],
         cpu_slots=settings["cpu_slots"],
+        open_input=True,
     )
-    with live or contextlib.nullcontext():
-        report = asyncio.run(cluster_run.run(jobs))
-    disconnect()  # the agents are done: nothing from Ray after the summary
-    warning = record_durations(
-        STATE_DIR / HISTORY_FILE, observations(report.results, prepared.collection.rootdir)
+    feeder = Feeder(
+        cluster_run,
+        cluster_run.refit,
+        history,
+        out.finished,
+        rootdir=str(root),
+        grow=live.grow if live is not None else None,
     )
-    if warning:
-        reporter.say(f"gpusched: warning: {warning}")
-    if settings.get("timeline"):
-        from gpusched.reporting.timeline import timeline_html
 
-        nodes = {
-            agent.name: [card.id for card in agent.info.cards]
-            for agent in cluster_run.agents.values()  # with the nodes that joined
-        }
-        atomic_write(settings["timeline"], timeline_html(results + report.results, nodes=nodes))
-    for name, why in report.lost:
-        reporter.say(f"gpusched: node {name} was lost: {why}")
-    return session.finish(
-        results + report.results, report.interrupted, report.quarantined, settings, reporter
-    )
+    def collected() -> None:
+        if live is not None:
+            live.collection_done()
+        if feeder.off:
+            out.say(f"gpusched: files start once collection is done: {feeder.off}")
+        out.say(
+            f"gpusched: {len(feeder.jobs)} files on {len(agents)} nodes: "
+            + ", ".join(describe_node(agent) for agent in agents)
+        )
+
+    feeder.collected = collected
+    with live or contextlib.nullcontext():
+        running = asyncio.create_task(cluster_run.run([]))
+        backlog.open(feeder.on_event)
+        collection, failure = await session.run_beside(collecting, running, feeder)
+    return _Ran(collection, failure, feeder, cluster_run)
+
+
+def _cluster_jobs(prepared: session.Prepared, agents: Sequence[Agent]) -> list[Job]:
+    nodes = policy_nodes(agents)
+    return [
+        dataclasses.replace(
+            job, requirement=cluster_requirement(entry.requirement, entry.levels, nodes)
+        )
+        for job, entry in zip(prepared.jobs, prepared.collection.files, strict=True)
+    ]
 
 
 def plan(

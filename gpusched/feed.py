@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gpusched.collection.collect import CollectedFile, CollectError, Collection
 from gpusched.collection.stream import (
@@ -37,7 +38,7 @@ from gpusched.collection.stream import (
     StreamOff,
 )
 from gpusched.execution.forkclient import ForkServer
-from gpusched.execution.runner import Child, Runner, stop_early
+from gpusched.execution.runner import Child, stop_early
 from gpusched.history import DEFAULT_SECONDS, Entry, history_key
 from gpusched.requirements import Requirement
 from gpusched.results import DEFERRED, FileResult, Outcome, TestResult, expectation
@@ -64,11 +65,69 @@ def skip_result(skip: CollectError) -> FileResult:
     )
 
 
+class JobSink(Protocol):
+    """Where the feeder's jobs go: the local ``Runner``, or the driver of a ``--ray`` run
+    (``gpusched.execution.cluster.driver.ClusterRun``), each with its input open."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def tests(self) -> dict[str, Sequence[str]]: ...
+
+    def submit(
+        self,
+        jobs: Sequence[Job],
+        tests: Mapping[str, Sequence[str]] | None = None,
+        expect: Mapping[str, str] | None = None,
+    ) -> None: ...
+
+    def revise(self, job: Job, tests: Sequence[str], expect: str | None) -> bool: ...
+
+    def adopt(self, job: Job, child: Child, tests: Sequence[str] = ()) -> None: ...
+
+    def release_reserved(self) -> None: ...
+
+    def stop(self, reason: str) -> None: ...
+
+    def close_input(self) -> None: ...
+
+
+class Backlog:
+    """Collection events heard before their ``JobSink`` exists, handed on once it does.
+
+    A ``--ray`` run collects while it connects to the cluster and starts the
+    node agents: a file's requirement cannot be fitted to nodes not yet known.
+    The collection's first event names its rootdir (the directory shipped to the
+    nodes): it is kept in ``rootdir`` as soon as it is heard.
+    """
+
+    def __init__(self) -> None:
+        self.rootdir: str | None = None
+        self.held: list[StreamEvent] = []
+        self._target: Callable[[StreamEvent], None] | None = None
+
+    def on_event(self, event: StreamEvent) -> None:
+        if isinstance(event, Rooted):
+            self.rootdir = event.rootdir
+        if self._target is None:
+            self.held.append(event)
+        else:
+            self._target(event)
+
+    def open(self, target: Callable[[StreamEvent], None]) -> None:
+        """Hand the held events to ``target`` in the order heard, and every later one at once."""
+        held, self.held = self.held, []
+        for event in held:
+            target(event)
+        self._target = target
+
+
 @dataclass
 class Feeder:
     """Turns collection events into jobs for ``runner``; lives on the runner's event loop."""
 
-    runner: Runner
+    runner: JobSink
     refit: Callable[[Requirement, tuple[Requirement, ...]], Requirement]
     history: Mapping[str, Entry]
     report: Callable[[FileResult], None]  # collection errors and skips, as they are found

@@ -528,28 +528,42 @@ async def _collect_and_run(
                 paths, args, settings["collect_timeout"], feeder.on_event, server, cache, defer
             )
         )
-        await asyncio.wait({running, collecting}, return_when=asyncio.FIRST_COMPLETED)
-        collection: Collection | None = None
-        failure: CollectionFailed | None = None
-        if not collecting.done():  # the runner stopped first: -x or an interrupt
-            collecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, CollectionFailed):
-                await collecting
-        else:
-            try:
-                collection = collecting.result()
-            except CollectionFailed as exc:
-                failure = exc
-                runner.stop("collection failed")
-            else:
-                feeder.finish(collection)
-        feeder.stop_early()
-        runner.close_input()
-        await running
-        return collection, failure
+        return await run_beside(collecting, running, feeder)
     finally:
         if server is not None:
             server.detach()
+
+
+async def run_beside(
+    collecting: asyncio.Task[Collection], running: asyncio.Task[Any], feeder: Feeder
+) -> tuple[Collection | None, CollectionFailed | None]:
+    """Wait for a streaming collection and the run it feeds (``feeder.runner``: one machine's
+    ``Runner`` or a ``--ray`` run's driver) to end; the final collection (None if the run
+    stopped it: ``-x``, an interrupt) and the collection's failure, if any.
+
+    When the collection ends first the feeder reconciles its final report
+    (``Feeder.finish``) and the run's input is closed: it ends with its last file.
+    """
+    runner = feeder.runner
+    await asyncio.wait({running, collecting}, return_when=asyncio.FIRST_COMPLETED)
+    collection: Collection | None = None
+    failure: CollectionFailed | None = None
+    if not collecting.done():  # the runner stopped first: -x or an interrupt
+        collecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, CollectionFailed):
+            await collecting
+    else:
+        try:
+            collection = collecting.result()
+        except CollectionFailed as exc:
+            failure = exc
+            runner.stop("collection failed")
+        else:
+            feeder.finish(collection)
+    feeder.stop_early()
+    runner.close_input()
+    await running
+    return collection, failure
 
 
 def live_reporter(
@@ -594,9 +608,11 @@ def finish(
     quarantined: list[str],
     settings: dict[str, Any],
     reporter: ConsoleReporter,
+    nodes: Mapping[str, Sequence[str]] | None = None,
 ) -> int:
     """The end of every run (one node or a cluster): failures' log tails, JUnit and JSON
-    reports, the summary lines; the exit code."""
+    reports, the summary lines; the exit code. ``nodes``: a cluster run's nodes (those that
+    joined during the run too) and their card ids, for the JSON report."""
     code = exit_code(results, interrupted)
     for result in failing(results):
         for line in failing_file_lines(result):
@@ -604,7 +620,7 @@ def finish(
     if settings.get("junitxml"):
         atomic_write(settings["junitxml"], junit_xml(results))
     if settings.get("json"):
-        atomic_write(settings["json"], json_report(results, interrupted, quarantined, code))
+        atomic_write(settings["json"], json_report(results, interrupted, quarantined, code, nodes))
     for line in summary_lines(results, quarantined):
         reporter.say(line)
     return code

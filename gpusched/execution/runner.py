@@ -275,9 +275,14 @@ class Runner:
         expect: Mapping[str, str] | None = None,
         refit: Callable[[Requirement, tuple[Requirement, ...]], Requirement] | None = None,
         open_input: bool = False,
+        requeue: Callable[[Job, Recollected], None] | None = None,
     ) -> None:
         """``expect``: the collection cache's prediction for each file it described; ``refit``
         lowers a requirement a child found instead to what the inventory can run.
+
+        ``requeue``: who places a file again whose child found it needs other cards
+        than predicted (a node agent hands it back to the driver); by default this
+        runner's own policy, with the requirement ``refit`` gives.
 
         ``open_input``: more jobs may come while it runs (``submit``), until
         ``close_input``; ``run`` does not end before that unless it is stopping.
@@ -288,6 +293,7 @@ class Runner:
         self.input_open = open_input
         self.expect = dict(expect or {})
         self.refit = refit or (lambda requirement, levels: requirement)
+        self.requeue = requeue
         self.recollected: set[str] = set()  # files whose child found the cache wrong
         self.found: dict[str, Recollected] = {}  # deferred files: what their child collected
         self.reporter = reporter
@@ -554,6 +560,9 @@ class Runner:
                 return
             self.attempts[job.id] -= 1  # it ran no test: not an attempt
             self.expect.pop(job.path, None)  # from now on the child's own collection is the truth
+            if self.requeue is not None:
+                self.requeue(job, requeue)
+                return
             requirement = self.refit(requeue.requirement, requeue.levels)
             self.policy.submit([dataclasses.replace(job, requirement=requirement)])
             return

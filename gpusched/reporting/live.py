@@ -81,6 +81,11 @@ class LiveState:
             del self.holding[slot]
         self.total -= 1
 
+    def add_slots(self, cards: Sequence[str], cpu_slots: int) -> None:
+        """A node joined the run: its cards and CPU slots are rows from now on, idle or not."""
+        self.cards += tuple(card for card in cards if card not in self.cards)
+        self.cpu_slots += cpu_slots
+
     def rows(self, now: float) -> list[Row]:
         slots = [f"gpu {card}" for card in self.cards]
         slots += [f"cpu {i + 1}" for i in range(self.cpu_slots)]
@@ -164,6 +169,12 @@ class LiveReporter:
         """Collection found ``count`` more files."""
         with self._lock:
             self.state.total += count
+        self._live.refresh()
+
+    def add_slots(self, cards: Sequence[str], cpu_slots: int) -> None:
+        """A node joined the run (``LiveState.add_slots``)."""
+        with self._lock:
+            self.state.add_slots(cards, cpu_slots)
         self._live.refresh()
 
     def collection_done(self) -> None:

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -242,8 +242,14 @@ def junit_xml(results: Sequence[FileResult]) -> str:
 
 
 def json_report(
-    results: Sequence[FileResult], interrupted: bool, quarantined: Sequence[str], exit_code: int
+    results: Sequence[FileResult],
+    interrupted: bool,
+    quarantined: Sequence[str],
+    exit_code: int,
+    nodes: Mapping[str, Sequence[str]] | None = None,
 ) -> str:
+    """The ``--json`` report; a cluster run's adds ``nodes``: each node's cards, idle ones and
+    those of nodes that joined during the run included."""
     tally = totals(results)
     passed, failed, skipped = buckets(tally)
     payload = {
@@ -260,6 +266,8 @@ def json_report(
         },
         "files": [result.to_json() for result in results],
     }
+    if nodes is not None:
+        payload["nodes"] = {name: {"cards": list(cards)} for name, cards in nodes.items()}
     return json.dumps(payload, indent=2) + "\n"
 
 

@@ -147,6 +147,21 @@ class ClusterPolicy:
         self._pending = still_pending
         return decisions
 
+    def withdraw(self, job_id: int) -> Job | None:
+        """Take a job that has not started out of the queue (collection revised it); None if it
+        is not pending (it started, or it is unknown)."""
+        for i, job in enumerate(self._pending):
+            if job.id == job_id:
+                return self._pending.pop(i)
+        return None
+
+    def requeue(self, job: Job, quarantined: Iterable[str] = ()) -> None:
+        """``job`` (placed, with the requirement its child found instead) ran no test: its
+        cards (but the ``quarantined`` ones) and slot are free, and it waits for the next
+        ``schedule`` like any pending job, on whichever node fits it now."""
+        self.complete(job.id, quarantined)
+        self.submit([job])
+
     def complete(self, job_id: int, quarantined: Iterable[str] = ()) -> None:
         """The job is over on its node: its cards (but the ``quarantined`` ones) and slot are free."""
         placement = self._running.pop(job_id)

@@ -64,6 +64,20 @@ def test_state_rows_show_each_card_and_cpu_slot_with_elapsed_and_expected():
     assert state.summary(5.0) == "1/4 files done (1 passed) | 1 running | 2 pending | 5s elapsed"
 
 
+def test_a_node_that_joins_adds_its_idle_cards_and_slots_as_rows():
+    state = LiveState(("a:0",), cpu_slots=1, total=2)
+    state.add_slots(("b:0", "b:1"), 1)
+    state.start(_job(0, "/s/test_one.py", 1, 2.0), ("b:1",), 1, now=1.0)
+    rows = {row.slot: row.path for row in state.rows(now=2.0)}
+    assert rows == {
+        "gpu a:0": None,
+        "gpu b:0": None,  # idle, but in the view from the moment its node joined
+        "gpu b:1": "/s/test_one.py",
+        "cpu 1": None,
+        "cpu 2": None,
+    }
+
+
 def test_the_total_grows_while_collection_streams_files_in():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=100)

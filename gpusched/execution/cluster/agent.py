@@ -41,7 +41,7 @@ from gpusched.execution.release import release_check
 from gpusched.execution.runner import RunConfig, Runner
 from gpusched.inventory import Card, discover, parse_simulate_spec
 from gpusched.requirements import Requirement
-from gpusched.results import FileResult
+from gpusched.results import FileResult, Recollected
 from gpusched.scheduling.cluster import PinnedPolicy
 from gpusched.scheduling.packing import Job
 
@@ -98,6 +98,7 @@ class Placed:
     expected: float
     cards: tuple[str, ...]
     tests: tuple[str, ...]
+    expect: str | None = None  # the collection cache's prediction, which the child checks
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,19 @@ class FileFinished:
     final: bool
     quarantined: tuple[str, ...]
     log: str | None  # the end of its log, for the driver's copy
+    recollected: bool = False  # its child found the file other than the cache predicted
+
+
+@dataclass(frozen=True)
+class FileRequeued:
+    """The file's child found it needs other cards than predicted and ran no test: the driver
+    places it again. Its cards here are free (checked as after any file)."""
+
+    job_id: int
+    requirement: Requirement
+    levels: tuple[Requirement, ...]
+    tests: tuple[str, ...]
+    quarantined: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,7 +146,7 @@ class AgentDone:
     interrupted: bool
 
 
-AgentEvent = FileStarted | FileFinished | Note | AgentDone
+AgentEvent = FileStarted | FileFinished | FileRequeued | Note | AgentDone
 
 
 def node_cards() -> tuple[list[Card], bool]:
@@ -292,6 +306,7 @@ class NodeAgent:
             forkserver=self._server,
             t0=config.t0,
             open_input=True,
+            requeue=self._requeue,
         )
         self._run_task = asyncio.create_task(self._run())
 
@@ -300,14 +315,17 @@ class NodeAgent:
         assert self._runner is not None, "place before start"
         jobs = []
         tests: dict[str, Sequence[str]] = {}
+        expect: dict[str, str] = {}
         for item in placed:
             path = str(self._root / item.path)
             job = Job(item.job_id, path, item.requirement, item.expected)
             self._policy.place(job, [self._cards.get(card, Card(card)) for card in item.cards])
             self._by_path[path] = item.job_id
             tests[path] = item.tests
+            if item.expect is not None:
+                expect[path] = item.expect
             jobs.append(job)
-        self._runner.submit(jobs, tests)
+        self._runner.submit(jobs, tests, expect)
 
     async def poll(self, wait: float = POLL_WAIT) -> list[AgentEvent]:
         """The events since the last poll; waits up to ``wait`` s for one (an empty answer: alive)."""
@@ -355,9 +373,14 @@ class NodeAgent:
         job_id = self._by_path[result.path]
         final = bool(runner.report.results) and runner.report.results[-1] is result
         log = _log_tail(result.log)
-        self.emit(
-            FileFinished(job_id, result, final, self._policy.quarantined.get(job_id, ()), log)
-        )
+        quarantined = self._policy.quarantined.get(job_id, ())
+        recollected = result.path in runner.recollected
+        self.emit(FileFinished(job_id, result, final, quarantined, log, recollected))
+
+    def _requeue(self, job: Job, found: Recollected) -> None:
+        """The runner's ``requeue``: the driver decides where the file runs now."""
+        quarantined = self._policy.quarantined.get(job.id, ())
+        self.emit(FileRequeued(job.id, found.requirement, found.levels, found.tests, quarantined))
 
     async def _run(self) -> None:
         assert self._runner is not None

@@ -24,6 +24,7 @@ Ray is imported here only, when the first function is called.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -41,6 +42,7 @@ from gpusched.execution.cluster.agent import (
     AgentDone,
     AgentEvent,
     FileFinished,
+    FileRequeued,
     FileStarted,
     NodeAgent,
     NodeInfo,
@@ -48,10 +50,11 @@ from gpusched.execution.cluster.agent import (
     Placed,
 )
 from gpusched.execution.cluster.reach import ClusterError
-from gpusched.execution.runner import log_name
-from gpusched.requirements import format_memory
+from gpusched.execution.runner import Child, log_name
+from gpusched.reporting.report import display_path
+from gpusched.requirements import Requirement, format_memory
 from gpusched.results import FAILING, FileResult, Outcome, TestResult
-from gpusched.scheduling.cluster import ClusterPolicy, Node, Placement
+from gpusched.scheduling.cluster import ClusterPolicy, Node, Placement, cluster_requirement
 from gpusched.scheduling.packing import Job, Unschedulable
 
 # Left out of what is shipped to the nodes, besides what .gitignore and the user exclude.
@@ -276,6 +279,9 @@ class ClusterReporter(Protocol):
 
     def heartbeat(self, running: Sequence[tuple[Job, float]]) -> None: ...
 
+    def joined(self, node: str, cards: tuple[str, ...], cpu_slots: int) -> None:
+        """A node joined the run with these (idle) cards and CPU slots."""
+
     def say(self, line: str) -> None: ...
 
 
@@ -326,11 +332,24 @@ class _Refused:
     line: str
 
 
-_DriverEvent = _Events | _Lost | _Signal | _Tick | _Joined | _Refused
+@dataclass(frozen=True)
+class _Wake:
+    """Files were submitted while the run goes on (``ClusterRun.submit``): place them."""
+
+
+_DriverEvent = _Events | _Lost | _Signal | _Tick | _Joined | _Refused | _Wake
 
 
 class ClusterRun:
-    """One run across the agents: places files, gathers results, handles lost nodes and Ctrl-C."""
+    """One run across the agents: places files, gathers results, handles lost nodes and Ctrl-C.
+
+    With ``open_input`` files may come while it runs (``submit``, ``revise``: the
+    same calls as the local ``Runner``'s, so ``gpusched.feed.Feeder`` feeds either
+    from the streaming collection) until ``close_input``. ``expect`` holds the
+    collection cache's prediction of each file's requirement and tests, which the
+    file's child checks on its node; a child that finds it needs other cards
+    stops before its tests and the file is placed again (``FileRequeued``).
+    """
 
     def __init__(
         self,
@@ -346,6 +365,8 @@ class ClusterRun:
         silence: float = SILENCE,
         cpu_slots: int = 1,
         join_check: float | None = JOIN_CHECK,
+        open_input: bool = False,
+        expect: Mapping[str, str] | None = None,
     ) -> None:
         self.agents = {agent.info.node_id: agent for agent in agents}
         self.policy = ClusterPolicy(policy_nodes(agents))
@@ -361,7 +382,7 @@ class ClusterRun:
         self.jobs: dict[int, Job] = {}
         self.started: dict[int, float] = {}  # running job -> monotonic start, for --heartbeat
         self.lost_once: dict[int, str] = {}  # job id -> the node lost while it ran there
-        self.stopping = False  # Ctrl-C: no new file, every agent kills its files
+        self.interrupted = False  # Ctrl-C: no new file, every agent kills its files
         self.no_new = False  # -x after a failure: no new file, running ones finish
         self.events: asyncio.Queue[_DriverEvent] = asyncio.Queue()
         self.relative: dict[int, str] = {}  # job id -> its path under the root, as nodes see it
@@ -370,13 +391,17 @@ class ClusterRun:
         self.joining: dict[str, Any] = {}  # node id -> the actor of its agent, not yet in the run
         self.refused: set[str] = set()  # nodes that joined but are not used (a version differs)
         self.tasks: list[asyncio.Task] = []  # pollers, joins: cancelled at the end
+        self.input_open = open_input
+        self.stop_reason = "-x"  # why pending files did not start, once no_new
+        self.expect = dict(expect or {})  # path -> the collection cache's prediction
+        self.recollected: set[str] = set()  # files whose child found the cache wrong
         self._next_beat = time.monotonic() + (heartbeat or 0.0)
 
     async def run(self, jobs: Sequence[Job]) -> ClusterReport:
         """Run ``jobs`` to the end (or to an interrupt) and return every file's final result."""
         loop = asyncio.get_running_loop()
-        self.jobs = {job.id: job for job in jobs}
-        self.relative = {job.id: self._relative(job.path) for job in jobs}
+        self.jobs.update({job.id: job for job in jobs})
+        self.relative.update({job.id: self._relative(job.path) for job in jobs})
         starts = [(a, a.actor.start.remote(self.config)) for a in self.agents.values()]
         for agent, start in starts:
             try:
@@ -416,14 +441,79 @@ class ClusterRun:
             self._not_run(job)
         return self.report
 
+    # ------------------------------------------------------------------ files that come later
+
+    @property
+    def stopping(self) -> bool:
+        """No new file starts: Ctrl-C, ``-x`` after a failure, or ``stop``."""
+        return self.interrupted or self.no_new
+
+    def refit(self, requirement: Requirement, levels: tuple[Requirement, ...]) -> Requirement:
+        """A file's requirement lowered to what some node of the run can give it now."""
+        return cluster_requirement(requirement, levels, self.policy.nodes)
+
+    def submit(
+        self,
+        jobs: Sequence[Job],
+        tests: Mapping[str, Sequence[str]] | None = None,
+        expect: Mapping[str, str] | None = None,
+    ) -> None:
+        """Add files while the run goes on (``open_input``); call on the run's event loop.
+
+        ``tests`` and ``expect``: the new files' test ids and collection cache predictions.
+        A file outside the directory the nodes have is an error result at once.
+        """
+        self.tests.update({path: tuple(ids) for path, ids in (tests or {}).items()})
+        self.expect.update(expect or {})
+        placeable = []
+        for job in jobs:
+            try:
+                self.relative[job.id] = self._relative(job.path)
+            except ClusterError as exc:
+                self._record(FileResult(job.path, Outcome.ERROR, message=str(exc)))
+                continue
+            self.jobs[job.id] = job
+            placeable.append(job)
+        self.policy.submit(placeable)
+        self.events.put_nowait(_Wake())
+
+    def revise(self, job: Job, tests: Sequence[str], expect: str | None) -> bool:
+        """Replace a pending file (its requirement, tests, prediction); False if it started."""
+        if self.policy.withdraw(job.id) is None:
+            return False
+        self.submit([job], {job.path: tests}, {job.path: expect} if expect else None)
+        if expect is None:
+            self.expect.pop(job.path, None)
+        return True
+
+    def adopt(self, job: Job, child: Child, tests: Sequence[str] = ()) -> None:
+        """Early starts are a one-machine feature: no cluster run is ever given one."""
+        raise RuntimeError(f"{job.path}: a cluster run adopts no early start")
+
+    def release_reserved(self) -> None:
+        """Nothing is reserved: the collection runs on the driver, outside every node's slots."""
+
+    def stop(self, reason: str) -> None:
+        """Start no new file; the running ones finish, the pending ones are NOT RUN (``reason``)."""
+        self.no_new = True
+        self.stop_reason = reason
+        for job in self.policy.cancel_pending():
+            self._not_run(job, f"not started ({reason})")
+        self.events.put_nowait(_Wake())
+
+    def close_input(self) -> None:
+        """No more files will be submitted: ``run`` ends once the last one is done."""
+        self.input_open = False
+        self.events.put_nowait(_Wake())
+
     # ------------------------------------------------------------------ the loop
 
     async def _loop(self) -> None:
         while True:
-            if not (self.stopping or self.no_new):
+            if not (self.stopping):
                 self._place()
             if not self.policy.running and (
-                self.stopping or self.no_new or not self.policy.has_pending
+                self.stopping or not (self.input_open or self.policy.has_pending)
             ):
                 return
             match await self.events.get():
@@ -441,6 +531,8 @@ class ClusterRun:
                     self.joining.pop(node, None)
                     self.refused.add(node)
                     self.reporter.say(line)
+                case _Wake():
+                    pass
 
     async def _close(self) -> None:
         """Every file is over: let the agents end and confirm (bounded), then stop them."""
@@ -485,6 +577,7 @@ class ClusterRun:
                             job.expected,
                             cards,
                             tuple(self.tests.get(job.path, ())),
+                            self.expect.get(job.path),
                         )
                     )
                 case Unschedulable(job, reason):
@@ -513,8 +606,12 @@ class ClusterRun:
                     self.started[job_id] = time.monotonic()
                     job = self.jobs[job_id]
                     self.reporter.started(job, agent.name, cards, attempt)
-                case FileFinished(job_id, result, final, quarantined, log):
+                case FileFinished(job_id, result, final, quarantined, log, recollected):
+                    if recollected:
+                        self.recollected.add(self.jobs[job_id].path)
                     self._finished(agent, job_id, result, final, quarantined, log)
+                case FileRequeued(job_id, requirement, levels, tests, quarantined):
+                    self._requeued(agent, job_id, requirement, levels, tests, quarantined)
                 case Note(text):
                     self.reporter.say(f"{text} (node {agent.name})")
                 case AgentDone():
@@ -556,6 +653,36 @@ class ClusterRun:
             for pending in self.policy.cancel_pending():
                 self._not_run(pending, "not started (-x)")
 
+    def _requeued(
+        self,
+        agent: Agent,
+        job_id: int,
+        requirement: Requirement,
+        levels: tuple[Requirement, ...],
+        tests: tuple[str, ...],
+        quarantined: tuple[str, ...],
+    ) -> None:
+        """The file's child found other cards than predicted and ran no test: place it again
+        with what it found (from now on its own collection is the truth, nothing is checked)."""
+        job = self.jobs[job_id]
+        self.started.pop(job_id, None)
+        self.recollected.add(job.path)
+        self.expect.pop(job.path, None)
+        self.tests[job.path] = tests
+        self.report.quarantined.extend(f"{agent.name}:{card}" for card in quarantined)
+        if self.stopping:
+            self.policy.complete(job_id, quarantined)
+            why = "interrupted" if self.interrupted else self.stop_reason
+            self._not_run(job, f"not started ({why})")
+            return
+        again = dataclasses.replace(job, requirement=self.refit(requirement, levels))
+        self.jobs[job_id] = again
+        self.policy.requeue(again, quarantined)
+        self.reporter.say(
+            f"gpusched: {display_path(job.path)} needs {requirement.describe()}, not the "
+            f"{job.requirement.describe()} the collection cache predicted: queued again"
+        )
+
     def _node_lost(self, node: str, reason: str) -> None:
         agent = self.agents[node]
         if agent.lost is not None or agent.done:
@@ -570,7 +697,7 @@ class ClusterRun:
         )
         for job in lost:
             self.started.pop(job.id, None)
-            if self.stopping:
+            if self.interrupted:
                 self._record(
                     FileResult(job.path, Outcome.INTERRUPTED, node=agent.name, message=reason)
                 )
@@ -593,10 +720,10 @@ class ClusterRun:
                 self.policy.submit([job])
 
     def _interrupt(self, signum: int) -> None:
-        second = self.stopping
+        second = self.interrupted
         self.reporter.interrupting(signum, second)
         self.report.interrupted = True
-        self.stopping = True
+        self.interrupted = True
         if not second:
             for job in self.policy.cancel_pending():
                 self._not_run(job)
@@ -634,7 +761,7 @@ class ClusterRun:
 
         while True:
             await asyncio.sleep(every)
-            if self.stopping or self.no_new or not self.policy.has_pending:
+            if self.stopping or not self.policy.has_pending:
                 continue
             nodes = await asyncio.to_thread(ray.nodes)
             new = [
@@ -704,11 +831,13 @@ class ClusterRun:
         node_id = agent.info.node_id
         self.joining.pop(node_id, None)
         self.agents[node_id] = agent
-        if self.stopping or self.no_new:
+        if self.stopping:
             agent.actor.close_input.remote()  # nothing for it: it ends, ``_close`` stops it
         else:
             self.policy.add_node(policy_nodes([agent])[0])
             self.reporter.say(f"gpusched: node {describe_node(agent)} joined the run")
+            cards = tuple(card.id for card in agent.info.cards)
+            self.reporter.joined(agent.name, cards, agent.cpu_slots)
         self.tasks.append(asyncio.create_task(self._poll(agent)))
 
     def _drop_joining(self) -> None:

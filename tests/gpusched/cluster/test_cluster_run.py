@@ -14,6 +14,7 @@ import pytest
 from deadlines import hang_guard, wait_until
 
 from conftest import (
+    RECORDING_TEST,
     extra_node,
     gpusched,
     recording_file,
@@ -224,3 +225,81 @@ def test_simulated_cards_on_the_driver_are_refused_with_ray(tmp_path):
 
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+GATE = """
+    import os, time
+
+    # Collection of this file ends only once some file of the run has started.
+    deadline = time.time() + 300
+    while not os.listdir({marks!r}) and time.time() < deadline:
+        time.sleep(0.05)
+    with open({gate!r}, "a") as out:
+        out.write(f"{{time.time()}} {{bool(os.listdir({marks!r}))}}\\n")
+
+    def test_gate():
+        pass
+"""
+
+
+def recording(tmp_path, marker: str) -> str:
+    return RECORDING_TEST.format(
+        marker=marker,
+        sleep=0.5,
+        log=str(tmp_path / "record.jsonl"),
+        marks=str(tmp_path / "marks"),
+        escapee=False,
+    )
+
+
+def test_files_start_while_collecting_and_a_changed_requirement_is_placed_again(
+    cluster_shared, tmp_path
+):
+    """The collection cache is warmed by a plain ``gpusched plan`` (no cluster needed); then a
+    helper module changes the marker of a cached file (its cache key cannot see that), and a
+    new file joins whose import waits until some file has started: the run ends only if
+    files start on the nodes while the collection still runs."""
+    (tmp_path / "marks").mkdir()
+    write_suite(
+        tmp_path,
+        {
+            "helpers.py": "import pytest\nneeds = pytest.mark.gpu(1)\n",
+            "test_a.py": recording(tmp_path, ""),
+            "test_b.py": recording(tmp_path, "from helpers import needs\n    @needs"),
+        },
+    )
+    warm = gpusched(tmp_path, "plan", ".")
+    assert warm.returncode == 0, warm.stdout + warm.stderr
+    cache = json.loads((tmp_path / ".gpusched" / "collection.json").read_text())
+    assert cache["files"]["test_b.py"]["gpus"] == 1
+
+    (tmp_path / "helpers.py").write_text("import pytest\nneeds = pytest.mark.gpu(2)\n")
+    gate = tmp_path / "gate.log"
+    write_suite(
+        tmp_path, {"test_gate.py": GATE.format(marks=str(tmp_path / "marks"), gate=str(gate))}
+    )
+    result = gpusched(
+        tmp_path, "run", ".", "--ray", cluster_shared.address, "--json", "r.json", timeout=60
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert result.stdout.splitlines()[-1] == "gpusched: 3 passed, 0 failed, 0 skipped", out
+
+    # The collection's import of test_gate.py saw a file already started.
+    collected_at, saw_a_start = gate.read_text().splitlines()[0].split()
+    assert saw_a_start == "True", out
+    first_start = min(r["start"] for r in records(tmp_path))
+    assert first_start < float(collected_at)
+
+    # test_b.py: predicted 1 card, found 2 by its child before any test ran, placed again
+    # on 2 cards: its test ran once, there.
+    assert "test_b.py needs 2 GPUs, not the 1 GPU the collection cache predicted" in out
+    (b,) = [r for r in records(tmp_path) if r["file"] == "test_b.py"]
+    assert len(b["cards"].split(",")) == 2
+    report = json.loads((tmp_path / "r.json").read_text())
+    by_name = {entry["path"].rsplit("/", 1)[-1]: entry for entry in report["files"]}
+    assert by_name["test_b.py"]["attempts"] == 1 and len(by_name["test_b.py"]["cards"]) == 2
+    assert sorted(len(node["cards"]) for node in report["nodes"].values()) == [2, 4, 4]
+    cache = json.loads((tmp_path / ".gpusched" / "collection.json").read_text())
+    assert "test_b.py" not in cache["files"]  # forgotten: the next run collects it
+    assert "test_gate.py" in cache["files"]  # collected this time: remembered
