@@ -12,24 +12,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
 from ray import cloudpickle
+from ray_trainers import trainer_on_ray
 
-from trainer.config import load_config
 from trainer.controller import WorkerDiedError, WorkerError
-from trainer.data.prompts import build_datasets
-from trainer.loop.ppo import (
-    PPOTrainer,
-    build_worker_groups,
-    resolve_reward_fn,
-    response_length,
-    shutdown_worker_groups,
-)
 from trainer.loop.staleness import Admission, StalenessError, check_lag
-from trainer.models import ensure_tiny_model, load_tokenizer
+from trainer.models import ensure_tiny_model
 from trainer.workers.rollout import RolloutWorker, weights_fingerprint
 
 # The faulty and slow workers below travel to the Ray workers by value.
@@ -134,33 +125,8 @@ def model_dir(tmp_path_factory):
     return str(ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("cache")))
 
 
-@contextmanager
 def _trainer(model_dir, overrides, rollout_cls=None):
-    cfg = load_config([*TINY, f"model.path={model_dir}", *overrides])
-    tok = load_tokenizer(model_dir)
-    train, val = build_datasets(cfg, tok)
-    max_new = response_length(cfg)
-    groups = build_worker_groups(cfg, model_dir, max_new, rollout_cls=rollout_cls)
-    try:
-        for g in groups.values():
-            g.init_model()
-        yield (
-            PPOTrainer(
-                cfg,
-                groups["actor"],
-                groups.get("critic"),
-                tok,
-                train,
-                val,
-                resolve_reward_fn(cfg),
-                max_new,
-                1,
-                groups.get("rollout"),
-            ),
-            groups,
-        )
-    finally:
-        shutdown_worker_groups(groups)
+    return trainer_on_ray(model_dir, [*TINY, *overrides], rollout_cls)
 
 
 def _fit(model_dir, overrides, rollout_cls=None, on_step=None):

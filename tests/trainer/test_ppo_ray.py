@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import pytest
 import ray
 import torch
+from ray_trainers import trainer_on_ray
 
-from trainer.config import load_config
-from trainer.data.prompts import build_datasets
-from trainer.loop.ppo import (
-    PPOTrainer,
-    build_worker_groups,
-    resolve_reward_fn,
-    response_length,
-    shutdown_worker_groups,
-)
-from trainer.models import ensure_tiny_model, load_tokenizer
+from trainer.models import ensure_tiny_model
 
 TINY = [
     "data.train_batch_size=3",  # not divisible by the 2 workers: padded
@@ -45,32 +36,8 @@ def model_dir(tmp_path_factory):
     return str(ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("cache")))
 
 
-@contextmanager
 def _trainer(model_dir, overrides):
-    cfg = load_config([*TINY, f"model.path={model_dir}", *overrides])
-    tok = load_tokenizer(model_dir)
-    train, val = build_datasets(cfg, tok)
-    max_new = response_length(cfg)
-    groups = build_worker_groups(cfg, model_dir, max_new)
-    try:
-        for g in groups.values():
-            g.init_model()
-        yield (
-            PPOTrainer(
-                cfg,
-                groups["actor"],
-                groups.get("critic"),
-                tok,
-                train,
-                val,
-                resolve_reward_fn(cfg),
-                max_new,
-                2,
-            ),
-            groups,
-        )
-    finally:
-        shutdown_worker_groups(groups)
+    return trainer_on_ray(model_dir, [*TINY, "trainer.num_workers=2", *overrides])
 
 
 def _finite(history, keys):

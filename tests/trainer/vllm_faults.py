@@ -20,6 +20,7 @@ MAX_LOGP_GAP = 1e-3
 """Bound on the largest |log p_actor - log p_vllm| of a step: in sync it is about 1e-6."""
 
 FAULTS = ("skip_push_after_first", "push_previous_step", "push_to_swapped_names")
+"""The faults :func:`assert_in_sync` catches (``skip_prefix_cache_reset`` shows elsewhere)."""
 
 
 def assert_in_sync(rows: list[dict]) -> None:
@@ -82,3 +83,17 @@ def push_to_swapped_names() -> Callable[[], None]:
 
     vllm.weights_for_vllm = swapped
     return lambda: setattr(vllm, "weights_for_vllm", original)
+
+
+def skip_prefix_cache_reset() -> Callable[[], None]:
+    """The push reloads the weights but vLLM's prefix cache is not dropped (and says nothing).
+
+    On CPU with the tiny model no cached prefix is ever reused (vLLM's CPU blocks
+    hold 128 tokens, the prompts fewer), so the samples do not change: the
+    rollout worker's acknowledgement (``async/prefix_cache_reset``) is what shows it.
+    """
+    from vllm import LLM
+
+    original = LLM.reset_prefix_cache
+    LLM.reset_prefix_cache = lambda self, *args, **kwargs: None
+    return lambda: setattr(LLM, "reset_prefix_cache", original)

@@ -315,7 +315,7 @@ class VLLMEngine:
         )
         self.awake = {"weights", "kv_cache"}
         self.prefix_cache_reset = True
-        """Whether vLLM dropped its prefix cache at the last :meth:`sync_weights`."""
+        """Whether vLLM dropped its prefix cache at the last :meth:`sync_weights` (it says so)."""
         self._sleep()
 
     # -- sleep mode (CUDA only) --------------------------------------------------
@@ -338,6 +338,7 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self) -> None:
         """Push the actor's current weights into vLLM and drop its prefix cache (collective: every rank joins the gathers)."""
+        self.prefix_cache_reset = False
         self._wake(["weights"])
         weights = weights_for_vllm(_full_tensors(self.model, self.device, self.dtype), self.tied)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
