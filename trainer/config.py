@@ -211,11 +211,13 @@ class TrainerConfig:
     save_every: int = 0
     """Checkpoint every k steps; 0 disables. Every rank writes its own shard
     (torch.distributed.checkpoint); resumable on another number of workers."""
-    async_save: bool = True
-    """Write checkpoints in the background: a save returns once the state is copied
-    to host memory, the next step runs while it is written, and the checkpoint is
-    committed at the next step (a failed write is an error there). false writes
-    before the next step starts."""
+    async_save: str = "auto"
+    """auto, true or false. true writes checkpoints in the background: a save returns
+    once the state is copied to host memory, the next step runs while it is written,
+    and the checkpoint is committed at the next step (a failed write is an error
+    there). false writes before the next step starts. auto: true on CUDA workers,
+    false on CPU workers, where the background write slows the next step by more
+    than it saves (bench/checkpoint_memory.py)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; 0 keeps all."""
     export_final: bool = True
@@ -384,6 +386,10 @@ def validate(cfg: Config) -> None:
     )
     _need(r.n >= 1, f"rollout.n={r.n}: must be >= 1")
     _need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints}: must be >= 0")
+    _need(
+        str(t.async_save).lower() in ("auto", "true", "false"),
+        f"trainer.async_save={t.async_save!r}: choose 'auto', 'true' or 'false'",
+    )
     _need(r.val_n >= 1, f"rollout.val_n={r.val_n}: must be >= 1")
     _need(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0")
     _need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")

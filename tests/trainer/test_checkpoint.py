@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic writes, pruning, and resolving what to resume from."""
+"""Checkpoint files: atomic writes, pruning, resolving what to resume from, and whether a
+worker's save writes in the background (``trainer.async_save``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from trainer.checkpoints.store import (
     resolve_resume,
     save_checkpoint,
 )
+from trainer.config import ConfigError, load_config
+from trainer.workers.state import background_save
 
 
 def _save_workers(d: str) -> None:
@@ -63,3 +66,42 @@ def test_resolve_resume(tmp_path):
     assert resolve_resume(str(saved), tmp_path) == saved
     with pytest.raises(FileNotFoundError, match="trainer.resume=.*not a checkpoint"):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [(None, "auto"), ("auto", "auto"), ("true", "True"), ("false", "False"), ("no", "False")],
+)
+def test_async_save_accepts_auto_true_and_false(value, parsed):
+    cfg = load_config([] if value is None else [f"trainer.async_save={value}"])
+    assert cfg.trainer.async_save == parsed
+
+
+@pytest.mark.parametrize("value", ["sometimes", "2"])
+def test_a_bad_async_save_names_the_key_and_the_choices(value):
+    with pytest.raises(
+        ConfigError, match=r"^trainer.async_save=.*: choose 'auto', 'true' or 'false'$"
+    ):
+        load_config([f"trainer.async_save={value}"])
+    with pytest.raises(ConfigError, match=r"^trainer.async_save="):
+        load_config([], base={"trainer": {"async_save": value}})
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "background"),
+    [
+        ("auto", "cpu", False),  # the write would compete with the step for the cores
+        ("auto", "cuda", True),  # device-to-host copy, the write overlaps GPU compute
+        ("True", "cpu", True),  # as parsed from trainer.async_save=true
+        ("false", "cuda", False),
+        (True, "cpu", True),  # a TrainerConfig built in Python
+        (False, "cuda", False),
+    ],
+)
+def test_auto_is_sync_on_a_cpu_worker_and_async_on_a_cuda_one(setting, device, background):
+    assert background_save(setting, device) is background
+
+
+def test_a_bad_setting_at_the_worker_names_the_key():
+    with pytest.raises(ValueError, match=r"trainer.async_save='sometimes': choose one of"):
+        background_save("sometimes", "cpu")

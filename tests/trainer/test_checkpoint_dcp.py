@@ -175,10 +175,11 @@ def test_the_driver_commits_an_async_checkpoint_only_when_every_write_ended(tmp_
     calls: list[str] = []
     fail = {"now": False}
 
-    def save_workers(d: str, asynchronous: bool) -> None:
+    def save_workers(d: str, asynchronous: bool | str) -> bool:
         (Path(d) / "actor").mkdir()
         (Path(d) / "actor" / "state.json").write_text("{}")
         calls.append(f"save async={asynchronous}")
+        return asynchronous is True  # "auto" resolved to synchronous by every worker
 
     def wait_workers() -> None:
         calls.append("wait")
@@ -211,6 +212,10 @@ def test_the_driver_commits_an_async_checkpoint_only_when_every_write_ended(tmp_
         "step": 1,
         "loader": {"epoch": 0, "position": 4},
     }
+    # Asked for auto, no worker wrote in the background (CPU workers): committed at once.
+    fail["now"] = False
+    assert writer.save(4, {}, asynchronous="auto").name == "step_000004"
+    assert writer.pending_step is None and calls[-2:] == ["save async=auto", "wait"]
 
 
 # ----------------------------------------------------------------- killed mid-save

@@ -102,6 +102,7 @@ def test_a_mistyped_key_names_the_nearest_and_exits_2_before_anything_starts():
         ("actor.lr=0.1", "unknown key 'actor.lr'; did you mean 'actor.optim.lr' or 'critic.optim.lr'?"),
         ("zzz=1", "unknown key 'zzz'; python -m trainer --help lists every key"),
         ("trainer.total_steps=many", "trainer.total_steps: Value 'many' of type 'str' could not be converted to Integer"),
+        ("trainer.async_save=always", "trainer.async_save='always': choose 'auto', 'true' or 'false'"),
     ],
 )  # fmt: skip
 def test_key_and_value_errors_are_one_line_naming_the_key(override, message):

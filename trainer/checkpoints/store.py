@@ -120,22 +120,30 @@ def save_checkpoint(
     temporary directory and returns when they are written. On any error the
     temporary directory is removed and the previous checkpoints stay as they were.
     """
-    writer = CheckpointWriter(run_dir, lambda d, _: save_workers(d), lambda: None, keep)
+
+    def save_now(d: str, _: bool | str) -> bool:
+        save_workers(d)
+        return False
+
+    writer = CheckpointWriter(run_dir, save_now, lambda: None, keep)
     return writer.save(step, driver_state, asynchronous=False)
 
 
 class CheckpointWriter:
     """The driver's checkpoints, synchronous or asynchronous; at most one in flight.
 
-    ``save_workers(tmp_dir, asynchronous)`` asks every worker to save (with
-    ``asynchronous``, returning once staged); ``wait_workers()`` returns when
-    every worker's background write has ended and raises if one failed.
+    ``save_workers(tmp_dir, asynchronous)`` asks every worker to save, passing
+    ``trainer.async_save`` on (each worker resolves ``auto`` for its own device,
+    :func:`trainer.workers.state.background_save`), and returns whether any
+    write is still running in the background; ``wait_workers()`` returns when
+    every worker's background write has ended and raises if one failed. A
+    save no worker wrote in the background is committed at once.
     """
 
     def __init__(
         self,
         run_dir: str | Path,
-        save_workers: Callable[[str, bool], None],
+        save_workers: Callable[[str, bool | str], bool],
         wait_workers: Callable[[], None],
         keep: int = 2,
     ) -> None:
@@ -145,17 +153,20 @@ class CheckpointWriter:
         self.keep = keep
         self._pending: tuple[int, Path] | None = None
 
-    def save(self, step: int, driver_state: dict[str, Any], asynchronous: bool) -> Path | None:
-        """Checkpoint ``step``: committed now (its path is returned), or at the next :meth:`wait`."""
+    def save(
+        self, step: int, driver_state: dict[str, Any], asynchronous: bool | str
+    ) -> Path | None:
+        """Checkpoint ``step``: committed now (its path is returned), or at the next :meth:`wait`
+        when a worker still writes in the background."""
         self.wait()
         tmp = begin_checkpoint(self.run_dir, step, driver_state)
         try:
-            self._save_workers(str(tmp), asynchronous)
+            in_flight = self._save_workers(str(tmp), asynchronous)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._pending = (step, tmp)
-        return None if asynchronous else self.wait()
+        return None if in_flight else self.wait()
 
     def wait(self) -> Path | None:
         """Finish the checkpoint in flight: wait for the workers, then commit it.

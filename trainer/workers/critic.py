@@ -12,7 +12,7 @@ from trainer.workers.compute import compute_values, update_value
 from trainer.workers.device import backend_for, worker_device
 from trainer.workers.settings import value_settings
 from trainer.workers.setup import build_critic, build_optimizer
-from trainer.workers.state import CheckpointSaver, load_training_state
+from trainer.workers.state import CheckpointSaver, background_save, load_training_state
 
 
 class CriticWorker(Worker):
@@ -67,11 +67,20 @@ class CriticWorker(Worker):
         metrics["critic/lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
 
-    def save_checkpoint(self, directory: str, asynchronous: bool = False) -> None:
-        """Write this rank's shard of critic and optimizer, its RNG and the scheduler."""
+    def save_checkpoint(self, directory: str, asynchronous: bool | str = False) -> bool:
+        """Write this rank's shard of critic and optimizer, its RNG and the scheduler.
+
+        As the actor's: ``auto`` follows this worker's device; returns whether the
+        write runs in the background.
+        """
         self.saver.save(
-            directory, self.critic, self.optimizer, self.scheduler, asynchronous=asynchronous
+            directory,
+            self.critic,
+            self.optimizer,
+            self.scheduler,
+            asynchronous=background_save(asynchronous, self.device.type),
         )
+        return self.saver.pending
 
     def wait_checkpoint(self) -> None:
         """Wait for this rank's background checkpoint write; raise if it failed."""

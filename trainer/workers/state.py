@@ -19,7 +19,9 @@ saved) keeps its seeded RNG; the scheduler is the same on every rank.
 in a background thread over a process group of its own (the training step's
 collectives run on the default group meanwhile); :meth:`CheckpointSaver.wait`
 ends that write and raises :class:`CheckpointWriteError` naming the directory
-if it failed. The next save waits for the previous one first.
+if it failed. The next save waits for the previous one first. Whether a
+worker's save is asynchronous is :func:`background_save` of ``trainer.async_save``
+and the worker's device.
 """
 
 from __future__ import annotations
@@ -64,11 +66,35 @@ from trainer.checkpoints.files import (
 )
 
 __all__ = [
+    "ASYNC_SAVE_CHOICES",
     "CheckpointSaver",
     "CheckpointWriteError",
+    "background_save",
     "load_training_state",
     "set_write_hook",
 ]
+
+
+ASYNC_SAVE_CHOICES = ("auto", "true", "false")
+"""The values of ``trainer.async_save`` (a bool is read as its name)."""
+
+
+def background_save(setting: str | bool, device_type: str) -> bool:
+    """Whether a save on a ``device_type`` worker writes in the background (``trainer.async_save``).
+
+    ``true`` and ``false`` decide alone. ``auto`` is asynchronous on CUDA, where
+    staging is a device-to-host copy and the write overlaps GPU compute, and
+    synchronous on CPU, where the background write competes with the next step
+    for the same cores and costs the run more than it hides
+    (``bench/checkpoint_memory.py``). ``device_type`` is the worker's own
+    (:func:`trainer.workers.device.worker_device`: what Ray granted it).
+    """
+    value = str(setting).lower()
+    if value not in ASYNC_SAVE_CHOICES:
+        raise ValueError(f"trainer.async_save={setting!r}: choose one of {ASYNC_SAVE_CHOICES}")
+    if value == "auto":
+        return device_type == "cuda"
+    return value == "true"
 
 
 class CheckpointWriteError(RuntimeError):
