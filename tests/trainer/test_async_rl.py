@@ -10,14 +10,22 @@ show in the metrics.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
 
+import psutil
 import pytest
 import torch
+from deadlines import hang_guard, wait_until
 from ray import cloudpickle
 from ray_trainers import trainer_on_ray
 
+from gpusched.execution.proctree import processes_with
 from trainer.controller import WorkerDiedError, WorkerError
 from trainer.loop.staleness import Admission, StalenessError, check_lag
 from trainer.models import ensure_tiny_model
@@ -26,6 +34,7 @@ from trainer.workers.rollout import RolloutWorker, weights_fingerprint
 # The faulty and slow workers below travel to the Ray workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+TAG = "TRAINER_TEST_RUN_TAG"  # TRAINER_* variables reach the Ray workers too
 TINY = [
     "algo=grpo",
     "data.train_batch_size=4",
@@ -248,3 +257,47 @@ def test_a_resume_at_k1_restores_the_version_and_draws_the_queued_batches_again(
     # The first batch after the resume comes from the resumed weights, pushed as version 2.
     assert resumed.rollouts.lags == [0, 1]
     assert history[0]["async/push_version"] == 2.0
+
+
+def test_ctrl_c_during_an_async_run_leaves_no_process(tmp_path):
+    """SIGINT to ``python -m trainer rollout.staleness=1`` while a batch is queued ahead."""
+    tag = uuid.uuid4().hex
+    cache = tmp_path / "cache"
+    ensure_tiny_model(cache_dir=cache)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
+    env.update({TAG: tag, "TRAINER_CACHE": str(cache), "RAY_TMPDIR": ray_tmp})
+    overrides = [*TINY, "rollout.staleness=1", "trainer.total_steps=500", "trainer.progress=false"]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *overrides, f"trainer.run_dir={run_dir}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen: list[psutil.Process] = []
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_until(
+            lambda: driver.poll() is not None or (metrics.exists() and metrics.read_text().strip()),
+            300,
+            "the first step",
+        )
+        assert driver.poll() is None, driver.communicate()[0]
+        seen = processes_with(TAG, tag)
+        hosts = [p for p in seen if "WorkerHost" in " ".join(p.cmdline())]
+        assert len(hosts) == 2, [p.cmdline() for p in seen]  # one actor, one rollout worker
+        driver.send_signal(signal.SIGINT)
+        out, _ = driver.communicate(timeout=hang_guard(120))
+        assert driver.returncode != 0, out
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    procs = {p.pid: p for p in [*seen, *processes_with(TAG, tag)]}
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=hang_guard(30))
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
