@@ -37,6 +37,7 @@ from gpusched.execution.cluster.driver import (
     describe_node,
     disconnect,
     policy_nodes,
+    send_start,
     start_agents,
 )
 from gpusched.execution.cluster.reach import parse_address
@@ -165,14 +166,16 @@ class _NotMainThread(logging.Filter):
         return "not the main thread" not in record.getMessage()
 
 
-def start_cluster(root: Path, settings: dict[str, Any]) -> _Cluster:
-    """Connect (shipping ``root`` unless the nodes share it), start and check every node's
-    agent. Runs in a thread of its own while the collection goes on; raises ClusterError."""
+def start_cluster(root: Path, settings: dict[str, Any], config: AgentConfig) -> _Cluster:
+    """Connect (shipping ``root`` unless the nodes share it), place and check every node's
+    agent, and send each its ``start`` (its fork server boots while collection goes on).
+    Runs in a thread of its own beside the collection; raises ClusterError."""
     logging.getLogger("ray._private.worker").addFilter(_NotMainThread())
     shared = settings.get("ray_shared")
     connect(settings["ray"], CodeSpec(root, shared, tuple(settings.get("ray_excludes", ()))))
     agents = start_agents(settings["cpu_slots"])
     check_versions(agents)
+    send_start(agents, config)
     return _Cluster(agents)
 
 
@@ -311,19 +314,41 @@ async def _collect_and_run(
                 exc = collecting.exception()
                 assert isinstance(exc, CollectionFailed), exc
                 return _Ran(failure=exc)
-            cluster = await in_thread(functools.partial(start_cluster, Path(root), settings))
+            config = agent_config(settings, pytest_args, paths, run_id)
+            cluster = await in_thread(
+                functools.partial(start_cluster, Path(root), settings, config)
+            )
         except BaseException:
             collecting.cancel()
             with contextlib.suppress(asyncio.CancelledError, CollectionFailed):
                 await collecting
             raise
         return await _run_cluster(
-            cluster, Path(root), collecting, backlog, settings, pytest_args, reporter, history,
-            run_id, paths,
-        )  # fmt: skip
+            cluster, Path(root), collecting, backlog, settings, config, reporter, history
+        )
     finally:
         if server is not None:
             server.detach()
+
+
+def agent_config(
+    settings: dict[str, Any], pytest_args: Sequence[str], paths: Sequence[str], run_id: str
+) -> AgentConfig:
+    """How every node runs its files; its ``t0`` (now) is when every node's times count from."""
+    return AgentConfig(
+        run_id=run_id,
+        t0=time.time(),
+        pytest_args=session.child_args(paths, settings, pytest_args),
+        timeout=settings["timeout"],
+        kill_grace=settings["kill_grace"],
+        reruns=settings["reruns"],
+        code_root=settings.get("ray_shared"),
+        fork_server=settings.get("fork_server", True),
+        preload=tuple(settings.get("preload", ())),
+        server_timeout=settings["collect_timeout"],
+        gpu_release_timeout=settings["gpu_release_timeout"],
+        gpu_release_memory=settings["gpu_release_memory"],
+    )
 
 
 async def _rootdir(backlog: Backlog, collecting: asyncio.Task[Collection]) -> str | None:
@@ -344,32 +369,15 @@ async def _run_cluster(
     collecting: asyncio.Task[Collection],
     backlog: Backlog,
     settings: dict[str, Any],
-    pytest_args: Sequence[str],
+    config: AgentConfig,
     reporter: ConsoleReporter,
     history: dict[str, Any],
-    run_id: str,
-    paths: Sequence[str],
 ) -> _Ran:
     agents = cluster.agents
     for line in describe_holdings(agents):
         reporter.say(line)
     log_dir = STATE_DIR / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    shared = settings.get("ray_shared")
-    config = AgentConfig(
-        run_id=run_id,
-        t0=time.time(),
-        pytest_args=session.child_args(paths, settings, pytest_args),
-        timeout=settings["timeout"],
-        kill_grace=settings["kill_grace"],
-        reruns=settings["reruns"],
-        code_root=shared,
-        fork_server=settings.get("fork_server", True),
-        preload=tuple(settings.get("preload", ())),
-        server_timeout=settings["collect_timeout"],
-        gpu_release_timeout=settings["gpu_release_timeout"],
-        gpu_release_memory=settings["gpu_release_memory"],
-    )
     live_cards = [Card(f"{a.name}:{card.id}") for a in agents for card in a.info.cards]
     slots = sum(a.cpu_slots for a in agents)
     live = session.live_reporter(reporter, live_cards, slots, 0, collecting=True)

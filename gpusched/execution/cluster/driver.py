@@ -91,6 +91,14 @@ class Agent:
     done: bool = False
     lost: str | None = None  # why the node left the run
     heard: float = field(default_factory=time.monotonic)
+    starting: Any = None  # the reference of a ``start`` already sent (``send_start``)
+
+
+def send_start(agents: Sequence[Agent], config: AgentConfig) -> None:
+    """Ask every agent to start its runner and fork server now, without waiting: they start
+    while the driver still collects; ``ClusterRun.run`` waits for them."""
+    for agent in agents:
+        agent.starting = agent.actor.start.remote(config)
 
 
 def connect(address: str, code: CodeSpec | None) -> None:
@@ -402,7 +410,10 @@ class ClusterRun:
         loop = asyncio.get_running_loop()
         self.jobs.update({job.id: job for job in jobs})
         self.relative.update({job.id: self._relative(job.path) for job in jobs})
-        starts = [(a, a.actor.start.remote(self.config)) for a in self.agents.values()]
+        starts = [
+            (a, a.starting if a.starting is not None else a.actor.start.remote(self.config))
+            for a in self.agents.values()
+        ]
         for agent, start in starts:
             try:
                 await _call(start)
