@@ -60,6 +60,10 @@ class LiveState:
     collecting: bool = False  # the total still grows as collection finds files
 
     def start(self, job: Job, cards: tuple[str, ...], attempt: int, now: float) -> None:
+        """A file runs on ``cards`` (or a CPU slot): only there, wherever it was shown before (a
+        file placed again after its child found other cards, or after its node was lost)."""
+        for slot in [slot for slot, held in self.holding.items() if held[0] == job.path]:
+            del self.holding[slot]
         slots = [f"gpu {card}" for card in cards]
         if not slots:
             free = [f"cpu {i + 1}" for i in range(self.cpu_slots)]

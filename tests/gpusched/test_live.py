@@ -78,6 +78,14 @@ def test_a_node_that_joins_adds_its_idle_cards_and_slots_as_rows():
     }
 
 
+def test_a_file_started_again_elsewhere_leaves_its_old_cards():
+    state = LiveState(("a:0", "b:0", "b:1"), cpu_slots=0, total=1)
+    state.start(_job(0, "/s/test_b.py", 1, 2.0), ("a:0",), 1, now=1.0)
+    state.start(_job(0, "/s/test_b.py", 2, 2.0), ("b:0", "b:1"), 1, now=2.0)
+    rows = {row.slot: row.path for row in state.rows(now=3.0)}
+    assert rows == {"gpu a:0": None, "gpu b:0": "/s/test_b.py", "gpu b:1": "/s/test_b.py"}
+
+
 def test_the_total_grows_while_collection_streams_files_in():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=100)
