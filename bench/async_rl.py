@@ -34,12 +34,15 @@ is ``(G + T) / max(G, T)`` on the means, and ``sum(G + T) / sum(max(G, T))``
 step by step (lower when G and T trade places from step to step).
 
     python bench/async_rl.py                  # both jobs, CPU: 12 steps (2 left out), 14 (8)
-    python bench/async_rl.py --quick          # a fast check: a quarter of the batch, 5 (2) steps
-    python bench/async_rl.py --jobs tool --tool-latency 0.1,0.5 --tool-concurrency 128
+    python bench/async_rl.py --quick          # a fast check: a quarter of the batch, 5 (2) steps, 1 round
+    python bench/async_rl.py --jobs tool --tool-latency 0.1,0.5 --tool-concurrency 256
     python bench/async_rl.py --device cuda    # one card per worker: needs 2 GPUs
 
-The load average of the machine is printed before and after each run: on a
-shared machine it says how much of a figure is someone else's.
+Each setup runs ``--rounds`` times (2), in the order k=0, k=1, colocated and
+then the other way round, so a drift in the machine's speed falls on all
+three alike; the table pools the rounds' steady steps and prints k=1 / k=0
+round by round. The load average of the machine is printed before and after
+each run: on a shared machine it says how much of a figure is someone else's.
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SETUPS: dict[str, list[str]] = {
-    "colocated": ["trainer.num_workers=2"],
     "k=0 pool": ["rollout.workers=1", "trainer.num_workers=1"],
     "k=1 pool": ["rollout.staleness=1", "trainer.num_workers=1"],
+    "colocated": ["trainer.num_workers=2"],
 }
 """Each setup's overrides; every one runs two worker processes (one card each on CUDA)."""
 
@@ -90,7 +93,7 @@ class Run:
     trainer_idle: float | None
     lag_mean: float | None
     load: tuple[float, float]
-    """1-minute load average before and after the run."""
+    """1-minute load average: before and after the run (pooled runs: lowest and highest)."""
     steps: list[tuple[float, float]]
     """Each steady step's (period, seconds waited for the batch)."""
 
@@ -151,6 +154,29 @@ def measure(
     )
 
 
+def pooled(runs: list[Run]) -> Run:
+    """One setup's runs (one a round) as one: their steady steps together."""
+    steps = [x for r in runs for x in r.steps]
+    period = statistics.fmean(p for p, _ in steps)
+
+    def mean(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.fmean(known) if known else None
+
+    loads = [x for r in runs for x in r.load]
+    return Run(
+        runs[0].setup,
+        1.0 / period,
+        period,
+        statistics.fmean(r.gen_s for r in runs),
+        statistics.fmean(w for _, w in steps),
+        mean([r.trainer_idle for r in runs]),
+        mean([r.lag_mean for r in runs]),
+        (min(loads), max(loads)),
+        steps,
+    )
+
+
 def job_overrides(job: str, steps: int, args: argparse.Namespace, tool_spec: str) -> list[str]:
     base = [
         f"trainer.total_steps={steps}",
@@ -189,11 +215,12 @@ def run_setup(setup: str, overrides: list[str], run_dir: Path, skip: int) -> Run
     return run
 
 
-def report(job: str, title: str, runs: dict[str, Run]) -> None:
+def report(job: str, title: str, rounds: dict[str, list[Run]]) -> None:
+    runs = {setup: pooled(rs) for setup, rs in rounds.items()}
     print(f"\n{title}")
     print(
         f"{'setup':<10} | {'steps/s':>7} {'s/step':>7} {'gen s':>6} {'wait s':>6} "
-        f"{'idle':>5} {'lag':>4} | {'load before/after':>17}"
+        f"{'idle':>5} {'lag':>4} | {'load low/high':>17}"
     )
     for r in runs.values():
         idle = f"{r.trainer_idle:.2f}" if r.trainer_idle is not None else "-"
@@ -213,9 +240,13 @@ def report(job: str, title: str, runs: dict[str, Run]) -> None:
         f"{job}: G {g:.3f} s, T {t:.3f} s (G/T {g / t:.2f}); ideal k=1 speed-up (G+T)/max(G,T) "
         f"{ideal:.3f} (step by step {per_step:.3f})"
     )
+    each = [
+        a.steps_per_s / b.steps_per_s
+        for a, b in zip(rounds["k=1 pool"], rounds["k=0 pool"], strict=True)
+    ]
     print(
         f"{job}: k=1 / k=0 {speedup:.3f}x = {speedup / ideal:.1%} of the ideal "
-        f"({gain:.1%} of the ideal gain)"
+        f"({gain:.1%} of the ideal gain); round by round " + ", ".join(f"{x:.3f}x" for x in each)
     )
     print(
         f"{job}: k=1 / colocated {k1.steps_per_s / col.steps_per_s:.3f}x, "
@@ -230,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs of each setup, the order reversed every other round (default 2; --quick 1)",
+    )
+    p.add_argument(
         "--tool-latency",
         default="0.1,0.5",
         help="seconds LOW,HIGH of each tool call, drawn uniformly (default 0.1,0.5)",
@@ -237,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tool-concurrency",
         type=int,
-        default=128,
-        help="tool calls in flight per worker (rollout.multi_turn.max_concurrency; default 128)",
+        default=256,
+        help="tool calls in flight per worker (rollout.multi_turn.max_concurrency; default 256)",
     )
     p.add_argument("--extra", nargs="*", default=[], help="more trainer overrides, every setup")
     args = p.parse_args(argv)
@@ -255,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
 
-    results: dict[str, dict[str, Run]] = {}
+    rounds = 1 if args.quick and args.rounds == 2 else args.rounds
+    results: dict[str, dict[str, list[Run]]] = {}
     with local_ray(2, args.device), tempfile.TemporaryDirectory(prefix="async-rl-") as tmp:
         tool_file = Path(tmp) / "remote_tool.py"
         tool_file.write_text(TOOL_FILE.format(low=low, high=high))
@@ -263,15 +301,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{job}:", file=sys.stderr, flush=True)
             steps, skip = (5, 2) if args.quick else JOBS[job]
             overrides = job_overrides(job, steps, args, f"{tool_file}:TOOL")
-            results[job] = {
-                s: run_setup(s, overrides, Path(tmp) / f"{job}-{i}", skip)
-                for i, s in enumerate(("k=0 pool", "k=1 pool", "colocated"))
-            }
+            results[job] = {s: [] for s in SETUPS}
+            for r in range(rounds):  # k=0, k=1, colocated; then the other way round
+                order = list(SETUPS) if r % 2 == 0 else list(SETUPS)[::-1]
+                for s in order:
+                    run_dir = Path(tmp) / f"{job}-{r}-{len(results[job][s])}-{s[:3]}"
+                    results[job][s].append(run_setup(s, overrides, run_dir, skip))
 
     batch = 32 if args.quick else 128
     print(
         f"device={args.device}, {os.cpu_count()} cores, {batch} prompts x 8 samples a step, "
-        f"seed {args.seed}; steps a run (first left out): "
+        f"seed {args.seed}; {rounds} round(s); steps a run (first left out): "
         + ", ".join(f"{j} {(5, 2) if args.quick else JOBS[j]}" for j in args.jobs)
     )
     titles = {
