@@ -214,7 +214,7 @@ class _Ran:
     collection: Collection | None = None
     failure: CollectionFailed | None = None
     feeder: Feeder | None = None
-    cluster_run: ClusterRun | None = None
+    run: ClusterRun | None = None
 
 
 def _run(
@@ -236,9 +236,7 @@ def _run(
             paths, args, settings, pytest_args, reporter, server, cache, history, run_id
         )
     )
-    collection, failure, feeder, cluster_run = (
-        ran.collection, ran.failure, ran.feeder, ran.cluster_run
-    )  # fmt: skip
+    collection, failure, feeder, cluster_run = ran.collection, ran.failure, ran.feeder, ran.run
     if failure is not None and cluster_run is None:  # the collection failed before any node
         if failure.exit_code == EXIT_USAGE:
             raise UsageError(str(failure)) from None
