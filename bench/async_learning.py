@@ -170,7 +170,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     )
     print(
         f"k=1 fewer steps {wins}, more {losses}, ties {ties}; one-sided sign test p "
-        f"(k=1 worse) = {sign_test(wins, losses):.3f}, p (k=1 better) = {sign_test(losses, wins):.3f}"
+        f"(k=1 worse) = {sign_test(wins, losses):.3g}, p (k=1 better) = {sign_test(losses, wins):.3g}"
     )
     loads = [x for r in rows for k in SETUPS for x in r[k]["load"]]
     print(f"load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f}")

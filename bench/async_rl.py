@@ -35,7 +35,7 @@ step by step (lower when G and T trade places from step to step).
 
     python bench/async_rl.py                  # both jobs, CPU: 12 steps (2 left out), 14 (8)
     python bench/async_rl.py --quick          # a fast check: a quarter of the batch, 5 (2) steps, 1 round
-    python bench/async_rl.py --jobs tool --tool-latency 0.1,0.5 --tool-concurrency 256
+    python bench/async_rl.py --jobs tool --tool-latency 0.1,0.5 --tool-concurrency 512
     python bench/async_rl.py --device cuda    # one card per worker: needs 2 GPUs
 
 Each setup runs ``--rounds`` times (2), in the order k=0, k=1, colocated and
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tool-concurrency",
         type=int,
-        default=256,
-        help="tool calls in flight per worker (rollout.multi_turn.max_concurrency; default 256)",
+        default=512,
+        help="tool calls in flight per worker (rollout.multi_turn.max_concurrency; default 512)",
     )
     p.add_argument("--extra", nargs="*", default=[], help="more trainer overrides, every setup")
     args = p.parse_args(argv)
