@@ -90,7 +90,7 @@ def _local_cpus(cfg: Config) -> int:
     if cfg.device_request == "cpu":
         return pools * CPU_WORKERS + rollout
     # auto workers on a node whose GPUs Ray is about to count: room for one per GPU
-    return max(pools * CPU_WORKERS, os.cpu_count() or 1)
+    return max(pools * CPU_WORKERS, os.cpu_count() or 1) + rollout
 
 
 def run(cfg: Config) -> RunResult:

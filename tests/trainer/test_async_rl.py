@@ -26,6 +26,7 @@ from ray import cloudpickle
 from ray_trainers import trainer_on_ray
 
 from gpusched.execution.proctree import processes_with
+from trainer.config import load_config
 from trainer.controller import WorkerDiedError, WorkerError
 from trainer.loop.staleness import Admission, StalenessError, check_lag
 from trainer.models import ensure_tiny_model
@@ -97,6 +98,17 @@ def test_the_fingerprint_tells_apart_weights_that_differ_anywhere():
     assert weights_fingerprint(a) != weights_fingerprint(b)
     swapped = {"w": a["w"].flip(1), "b": a["b"]}  # same sum, other positions
     assert weights_fingerprint(a) != weights_fingerprint(swapped)
+
+
+def test_a_fresh_local_cluster_has_room_for_the_rollout_pool():
+    """``python -m trainer rollout.staleness=1`` on defaults: one CPU more for the rollout worker."""
+    from trainer.__main__ import _local_cpus
+
+    for device in ("auto", "cpu"):
+        plain = load_config([f"trainer.device={device}"])
+        pooled = load_config([f"trainer.device={device}", "rollout.staleness=1"])
+        assert _local_cpus(pooled) == _local_cpus(plain) + 1
+    assert _local_cpus(load_config(["trainer.num_workers=2", "rollout.workers=3"])) == 5
 
 
 # ----------------------------------------------------------------------------- on Ray
