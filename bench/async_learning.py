@@ -118,12 +118,15 @@ def run_seeds(args: argparse.Namespace, out: Path) -> None:
     todo = [s for s in args.seeds if s not in load_results(out)]
     if not todo:
         return
+    # --k0-from: the k=0 runs of an earlier results file (same seeds, same k=0 setup)
+    earlier = load_results(args.k0_from) if args.k0_from else {}
     # k=1: 2 trainer workers and 1 rollout worker
     with local_ray(3), tempfile.TemporaryDirectory(prefix="async-learning-") as tmp:
         for seed in todo:
             row = {"seed": seed}
             for k in SETUPS:
-                row[k] = one_run(k, seed, args, Path(tmp))
+                reused = earlier.get(seed, {}).get(k) if k == "k=0" else None
+                row[k] = reused or one_run(k, seed, args, Path(tmp))
                 r = row[k]
                 print(
                     f"  seed {seed} {k}: {'' if r['reached'] else '> '}{r['steps']} steps, "
@@ -186,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=Path("runs/async_learning.jsonl"), help="results, JSON lines"
     )
     p.add_argument("--report", action="store_true", help="print the table from --out; run nothing")
+    p.add_argument(
+        "--k0-from",
+        type=Path,
+        default=None,
+        help="take the k=0 runs from this earlier results file (only k=1 runs again)",
+    )
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if not args.report:

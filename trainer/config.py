@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     """A configuration value, or a combination of values, that cannot work."""
 
 
+AUTO_TIS_CAP = 2.0
+"""``rollout.tis_cap``'s value when left to its default with ``rollout.staleness >= 1``
+(verl's TIS default): bench/async_learning.py measured k=1 without it."""
+
+
 @dataclass
 class DataConfig:
     task: str = "repeat"
@@ -86,10 +91,12 @@ class RolloutConfig:
     max_num_seqs: int = 1024
     """vllm: sequences an engine schedules at once (verl's default); a worker's rows beyond it
     wait for a second wave of decoding."""
-    tis_cap: float = 0.0
+    tis_cap: float = -1.0
     """Importance weight cap of the corrected (decoupled) PPO loss: each token's policy loss is
     weighted by min(pi_actor / pi_rollout, tis_cap), pi_rollout being the engine's log-prob of
-    the token (vllm, or any engine on a rollout pool of its own). 0 turns it off."""
+    the token (vllm, or any engine on a rollout pool of its own). 0 turns it off; negative
+    (the default) means 2.0 when batches are generated ahead (rollout.staleness >= 1), where
+    the uncorrected loss learned slower and less stably, and off otherwise."""
     tis_mode: str = "truncate"
     """truncate: weight min(ratio, tis_cap); mask: tokens whose ratio exceeds tis_cap get
     weight 0, the others their ratio."""
@@ -281,6 +288,13 @@ class Config:
         return self.rollout.workers
 
     @property
+    def importance_cap(self) -> float:
+        """``rollout.tis_cap`` with its default resolved: 2.0 with staleness, else 0 (off)."""
+        if self.rollout.tis_cap >= 0:
+            return self.rollout.tis_cap
+        return AUTO_TIS_CAP if self.rollout.staleness > 0 else 0.0
+
+    @property
     def use_critic(self) -> bool:
         return self.algo == "gae"
 
@@ -403,9 +417,8 @@ def validate(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(f"rollout.kv_cache_memory={r.kv_cache_memory!r}: {e}") from None
     _need(r.max_num_seqs >= 1, f"rollout.max_num_seqs={r.max_num_seqs}: must be >= 1")
-    _need(r.tis_cap >= 0, f"rollout.tis_cap={r.tis_cap}: must be >= 0 (0 turns it off)")
     _need(
-        r.tis_cap == 0 or r.engine == "vllm" or cfg.rollout_pool_workers > 0,
+        cfg.importance_cap == 0 or r.engine == "vllm" or cfg.rollout_pool_workers > 0,
         f"rollout.tis_cap={r.tis_cap} needs the engine's own log-probs: set rollout.engine=vllm, "
         "or rollout.workers >= 1 (a rollout pool)",
     )

@@ -111,6 +111,14 @@ def test_a_fresh_local_cluster_has_room_for_the_rollout_pool():
     assert _local_cpus(load_config(["trainer.num_workers=2", "rollout.workers=3"])) == 5
 
 
+def test_the_importance_cap_defaults_on_with_staleness_and_off_without():
+    assert load_config([]).importance_cap == 0.0
+    assert load_config(["rollout.workers=1"]).importance_cap == 0.0
+    assert load_config(["rollout.staleness=1"]).importance_cap == 2.0
+    assert load_config(["rollout.staleness=1", "rollout.tis_cap=0"]).importance_cap == 0.0
+    assert load_config(["rollout.staleness=2", "rollout.tis_cap=3"]).importance_cap == 3.0
+
+
 # ----------------------------------------------------------------------------- on Ray
 
 

@@ -32,7 +32,7 @@ def policy_settings(cfg: Config, step: int) -> PolicyUpdateSettings:
         temperature=cfg.rollout.temperature,
         shuffle_seed=cfg.seed * 1_000_003 + step,
         share_prompt=share_prompt(cfg),
-        tis_cap=cfg.rollout.tis_cap,
+        tis_cap=cfg.importance_cap,
         tis_mode=cfg.rollout.tis_mode,
     )
 
