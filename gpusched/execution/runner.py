@@ -259,7 +259,24 @@ def stop_early(child: Child, server: ForkServer) -> None:
     child.log_path.unlink(missing_ok=True)
 
 
-class Runner:
+class RevisesPending:
+    """``revise`` for a run whose policy can withdraw a pending job (the local and cluster runs).
+
+    The class using it has ``policy.withdraw``, ``submit`` and the ``expect``
+    predictions by path.
+    """
+
+    def revise(self, job: Job, tests: Sequence[str], expect: str | None) -> bool:
+        """Replace a pending job (its requirement, tests, prediction); False if it already started."""
+        if self.policy.withdraw(job.id) is None:
+            return False
+        self.submit([job], {job.path: tests}, {job.path: expect} if expect else None)
+        if expect is None:
+            self.expect.pop(job.path, None)
+        return True
+
+
+class Runner(RevisesPending):
     """Runs jobs until none is pending or running, or until interrupted."""
 
     def __init__(
@@ -397,15 +414,6 @@ class Runner:
         running: asyncio.Future[Child] = asyncio.get_running_loop().create_future()
         running.set_result(child)
         self.tasks[job.id] = asyncio.create_task(self._run_job(job, (), 1, running))  # type: ignore[arg-type]
-
-    def revise(self, job: Job, tests: Sequence[str], expect: str | None) -> bool:
-        """Replace a pending job (its requirement, tests, prediction); False if it already started."""
-        if self.policy.withdraw(job.id) is None:
-            return False
-        self.submit([job], {job.path: tests}, {job.path: expect} if expect else None)
-        if expect is None:
-            self.expect.pop(job.path, None)
-        return True
 
     def release_reserved(self) -> None:
         """A reserved CPU slot is free again (an early start not adopted, the collection done)."""

@@ -10,22 +10,17 @@ show in the metrics.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 
-import psutil
 import pytest
 import torch
-from deadlines import hang_guard, wait_until
+from deadlines import hang_guard
 from ray import cloudpickle
 from ray_trainers import trainer_on_ray
+from trainer_processes import assert_all_gone, tagged, trainer_process, wait_for_first_step
 
-from gpusched.execution.proctree import processes_with
 from trainer.config import load_config
 from trainer.controller import WorkerDiedError, WorkerError
 from trainer.loop.staleness import Admission, StalenessError, check_lag
@@ -35,7 +30,6 @@ from trainer.workers.rollout import RolloutWorker, weights_fingerprint
 # The faulty and slow workers below travel to the Ray workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-TAG = "TRAINER_TEST_RUN_TAG"  # TRAINER_* variables reach the Ray workers too
 TINY = [
     "algo=grpo",
     "data.train_batch_size=4",
@@ -280,43 +274,15 @@ def test_a_resume_at_k1_restores_the_version_and_draws_the_queued_batches_again(
 
 def test_ctrl_c_during_an_async_run_leaves_no_process(tmp_path):
     """SIGINT to ``python -m trainer rollout.staleness=1`` while a batch is queued ahead."""
-    tag = uuid.uuid4().hex
-    cache = tmp_path / "cache"
-    ensure_tiny_model(cache_dir=cache)
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
-    env.update({TAG: tag, "TRAINER_CACHE": str(cache), "RAY_TMPDIR": ray_tmp})
     overrides = [*TINY, "rollout.staleness=1", "trainer.total_steps=500", "trainer.progress=false"]
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "trainer", *overrides, f"trainer.run_dir={run_dir}"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    seen: list[psutil.Process] = []
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        wait_until(
-            lambda: driver.poll() is not None or (metrics.exists() and metrics.read_text().strip()),
-            300,
-            "the first step",
-        )
-        assert driver.poll() is None, driver.communicate()[0]
-        seen = processes_with(TAG, tag)
+    seen = []
+    with trainer_process(tmp_path, *overrides, f"trainer.run_dir={run_dir}") as (driver, tag):
+        wait_for_first_step(driver, run_dir)
+        seen = tagged(tag)
         hosts = [p for p in seen if "WorkerHost" in " ".join(p.cmdline())]
         assert len(hosts) == 2, [p.cmdline() for p in seen]  # one actor, one rollout worker
         driver.send_signal(signal.SIGINT)
         out, _ = driver.communicate(timeout=hang_guard(120))
         assert driver.returncode != 0, out
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    procs = {p.pid: p for p in [*seen, *processes_with(TAG, tag)]}
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=hang_guard(30))
-    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    assert_all_gone(tag, seen)

@@ -11,28 +11,19 @@ it. No process of a run outlives it, also when a worker is killed.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 from deadlines import hang_guard
 from test_vllm_engine import _cpu_vllm  # noqa: E402  (same skip rule)
+from trainer_processes import TAG, assert_all_gone, tagged, trainer_process, wait_for_first_step
 from vllm_faults import assert_in_sync
-
-from gpusched.execution.proctree import processes_with
 
 pytestmark = pytest.mark.skipif(_cpu_vllm() is not None, reason=str(_cpu_vllm()))
 
 FAULTS = Path(__file__).with_name("vllm_faults.py")
-TAG = "TRAINER_TEST_RUN_TAG"  # TRAINER_* variables reach the Ray workers too
 
 # Small and quick: 2 workers, 8 prompts x 4 samples, one on-policy pass per step
 # (the mismatch is then measured on the update's own forward).
@@ -52,18 +43,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _tagged(tag: str) -> list[psutil.Process]:
-    return processes_with(TAG, tag)
-
-
-def _assert_all_gone(tag: str, seen: list[psutil.Process]) -> None:
-    """Every process of the run (seen during it, or carrying its tag now) exits within 30 s."""
-    procs = {p.pid: p for p in [*seen, *_tagged(tag)]}
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=hang_guard(30))
-    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"processes of the run still alive: {[p.pid for p in alive]}"
-
-
 def test_the_real_sync_keeps_engine_and_actor_within_1e_3_for_10_steps(trainer_cli, tmp_path):
     tag = uuid.uuid4().hex
     run_dir = tmp_path / "run"
@@ -81,7 +60,7 @@ def test_the_real_sync_keeps_engine_and_actor_within_1e_3_for_10_steps(trainer_c
     assert all(r["rollout/actor_prob_diff_gt_0.1"] == 0 for r in rows)
     # The step changed the policy (so a missed push would have shown).
     assert all(r["actor/grad_norm"] > 0 for r in rows)
-    _assert_all_gone(tag, [])
+    assert_all_gone(tag, [])
 
 
 def test_a_broken_sync_fails_the_mismatch_check_end_to_end(trainer_cli, tmp_path):
@@ -107,33 +86,12 @@ def test_a_broken_sync_fails_the_mismatch_check_end_to_end(trainer_cli, tmp_path
 
 
 def test_killing_a_worker_ends_the_run_and_leaves_no_process(tmp_path):
-    from trainer.models import ensure_tiny_model
-
-    tag = uuid.uuid4().hex
-    cache = tmp_path / "cache"
-    ensure_tiny_model(cache_dir=cache)
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray socket paths must stay short
-    env.update({TAG: tag, "TRAINER_CACHE": str(cache), "RAY_TMPDIR": ray_tmp})
-    cmd = [sys.executable, "-m", "trainer", *RUN, "trainer.total_steps=200"]
-    driver = subprocess.Popen(
-        [*cmd, f"trainer.run_dir={run_dir}"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    seen: list[psutil.Process] = []
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert driver.poll() is None, driver.communicate()[0]
-            assert time.monotonic() < deadline, "no step within 300 s"
-            time.sleep(0.5)
-        seen = _tagged(tag)
+    seen = []
+    args = (*RUN, "trainer.total_steps=200", f"trainer.run_dir={run_dir}")
+    with trainer_process(tmp_path, *args) as (driver, tag):
+        wait_for_first_step(driver, run_dir)
+        seen = tagged(tag)
         workers = [p for p in seen if "WorkerHost" in " ".join(p.cmdline())]
         assert len(workers) == 2, [p.cmdline() for p in seen]
         # The engines run inside the workers: vLLM started no engine or worker process.
@@ -148,9 +106,4 @@ def test_killing_a_worker_ends_the_run_and_leaves_no_process(tmp_path):
         out, _ = driver.communicate(timeout=hang_guard(180))
         assert driver.returncode != 0, out
         assert "died" in out or "Died" in out or "dead" in out, out[-3000:]
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    _assert_all_gone(tag, seen)
+    assert_all_gone(tag, seen)

@@ -476,7 +476,7 @@ class PPOTrainer:
         m.update(rollout_mismatch.mismatch_metrics(mismatch))
         m.update(rollout_mismatch.importance_metrics(mismatch))
         # 6. the rollout pool (if any) gets the new weights before it generates again
-        m.update(self.rollouts.after_update(step + 1))
+        self.rollouts.after_update(step + 1)
 
         elapsed = time.perf_counter() - t_start
         n_tokens = int(mask.sum())

@@ -108,9 +108,8 @@ class ColocatedRollouts:
         """Generate ``prompts`` now (validation)."""
         return self.actor.generate_sequences(prompts, validation=validation)
 
-    def after_update(self, version: int) -> dict[str, float]:
+    def after_update(self, version: int) -> None:
         """Nothing to push: the actor's workers generate from their own weights."""
-        return {}
 
     def resume_loader_state(self) -> dict[str, int]:
         """The data position a checkpoint stores."""
@@ -118,9 +117,6 @@ class ColocatedRollouts:
 
     def restart(self, step: int) -> None:
         """Nothing is queued."""
-
-    def close(self) -> None:
-        """Nothing to stop."""
 
 
 @dataclass
@@ -147,7 +143,7 @@ class PooledRollouts:
         self.train, self.loader = train, loader
         self.admission = Admission(bound, total_steps)
         self.queue: deque[_Pending] = deque()
-        self.acks: list[tuple[int, list[float], float, Any]] = []
+        self.acks: list[tuple[int, str, float, Any]] = []
         """Pushes not yet acknowledged: (version, expected fingerprint, gather seconds, call)."""
         self.version = -1
         self.push_metrics: dict[str, float] = {}
@@ -198,10 +194,9 @@ class PooledRollouts:
         if self.version < 0:
             self.push(step)
 
-    def after_update(self, version: int) -> dict[str, float]:
-        """Push the new weights; returns nothing now (the push's metrics come with the next batch)."""
+    def after_update(self, version: int) -> None:
+        """Push the new weights (the push's metrics come with a later batch)."""
         self.push(version)
-        return {}
 
     # -- batches ----------------------------------------------------------------------
 
@@ -258,8 +253,3 @@ class PooledRollouts:
         """After a resume: nothing queued, the next batch drawn is ``step``'s."""
         self.queue.clear()
         self.admission.restart(step)
-
-    def close(self) -> None:
-        """Forget what is queued; stopping the pool's workers ends their generations."""
-        self.queue.clear()
-        self.acks.clear()

@@ -16,6 +16,7 @@ it, and a generation submitted after a push always sees the new weights.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -35,21 +36,20 @@ from trainer.workers.setup import build_actor
 __all__ = ["RolloutWorker", "weights_fingerprint"]
 
 
-def weights_fingerprint(state: dict[str, torch.Tensor]) -> list[float]:
-    """Two float64 sums over every tensor of ``state`` (plain and position-weighted).
+def weights_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """A hash of every tensor's name, dtype, shape and bytes in ``state``.
 
     Equal weights give equal fingerprints exactly; a push that did not land, or
-    landed the previous version's weights, gives a different one. Cheap enough
-    to compute at every push on both sides.
+    landed the previous version's weights, gives a different one. It reads each
+    tensor's bytes once, without a float copy, so it is cheap at every push on
+    both sides.
     """
-    total, weighted = 0.0, 0.0
-    for i, name in enumerate(sorted(state)):
-        t = state[name].detach().to("cpu", torch.float64)
-        total += float(t.sum())
-        weighted += float(
-            (t.flatten() * torch.arange(1, t.numel() + 1, dtype=torch.float64)).sum()
-        ) / (i + 1)
-    return [total, weighted]
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
+    return digest.hexdigest()
 
 
 class RolloutWorker(Worker):
@@ -61,7 +61,6 @@ class RolloutWorker(Worker):
         "load_weights_async": DispatchSpec(Dispatch.ONE_TO_ALL, blocking=False),
         "generate_sequences": Dispatch.DP_SPLIT,
         "generate_async": DispatchSpec(Dispatch.DP_SPLIT, blocking=False),
-        "close": Dispatch.ONE_TO_ALL,
     }
 
     def __init__(self, config: Config, model_path: str, max_new_tokens: int) -> None:
@@ -155,9 +154,3 @@ class RolloutWorker(Worker):
     def generate_async(self, prompts: TensorDict, validation: bool = False) -> TensorDict:
         """:meth:`generate_sequences`, called without waiting: the driver holds a pending call."""
         return self.generate_sequences(prompts, validation)
-
-    def close(self) -> None:
-        """Shut the engine down (vLLM frees its memory); the process stays until the pool goes."""
-        close = getattr(getattr(self, "engine", None), "close", None)
-        if close is not None:
-            close()

@@ -50,7 +50,7 @@ from gpusched.execution.cluster.agent import (
     Placed,
 )
 from gpusched.execution.cluster.reach import ClusterError
-from gpusched.execution.runner import Child, log_name
+from gpusched.execution.runner import Child, RevisesPending, log_name
 from gpusched.reporting.report import display_path
 from gpusched.requirements import Requirement, format_memory
 from gpusched.results import FAILING, FileResult, Outcome, TestResult
@@ -348,7 +348,7 @@ class _Wake:
 _DriverEvent = _Events | _Lost | _Signal | _Tick | _Joined | _Refused | _Wake
 
 
-class ClusterRun:
+class ClusterRun(RevisesPending):
     """One run across the agents: places files, gathers results, handles lost nodes and Ctrl-C.
 
     With ``open_input`` files may come while it runs (``submit``, ``revise``: the
@@ -487,15 +487,6 @@ class ClusterRun:
             placeable.append(job)
         self.policy.submit(placeable)
         self.events.put_nowait(_Wake())
-
-    def revise(self, job: Job, tests: Sequence[str], expect: str | None) -> bool:
-        """Replace a pending file (its requirement, tests, prediction); False if it started."""
-        if self.policy.withdraw(job.id) is None:
-            return False
-        self.submit([job], {job.path: tests}, {job.path: expect} if expect else None)
-        if expect is None:
-            self.expect.pop(job.path, None)
-        return True
 
     def adopt(self, job: Job, child: Child, tests: Sequence[str] = ()) -> None:
         """Early starts are a one-machine feature: no cluster run is ever given one."""
