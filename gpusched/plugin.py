@@ -23,6 +23,7 @@ import fnmatch
 import io
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -591,6 +592,20 @@ class _SessionHooks:
 _PREDICTABLE = frozenset({"gpusched-session", "mark", "main", "funcmanage"})
 _INACTIVE_UNLESS_ASKED = frozenset({"lfplugin", "nfplugin"})  # --lf, --ff, --nf
 
+_MARKING_ONLY: dict[str, frozenset[str]] = {
+    # pytest-benchmark: skip markers for --benchmark-skip / --benchmark-only; a skipped
+    # test is still selected, and runs (as skipped) in its file's own process.
+    "pytest_benchmark.plugin": frozenset({"skip"}),
+    # Hypothesis: the `hypothesis` marker on its property tests.
+    "_hypothesis_pytestplugin": frozenset({"hypothesis"}),
+}
+"""Third-party plugins (by module) found on GPU images whose hook only adds markers, and
+those markers: the stream's prediction holds unless the ``-m`` expression names one."""
+
+
+def _names_a_marker(markexpr: str, markers: frozenset[str]) -> bool:
+    return any(re.search(rf"\b{re.escape(marker)}\b", markexpr) for marker in markers)
+
 
 def _untrusted_selection(config: pytest.Config) -> str | None:
     """Why a file's streamed entry might differ from the final selection, or None."""
@@ -600,6 +615,11 @@ def _untrusted_selection(config: pytest.Config) -> str | None:
         if name in _PREDICTABLE:
             continue
         if name in _INACTIVE_UNLESS_ASKED and not getattr(impl.plugin, "active", True):
+            continue
+        module = getattr(impl.plugin, "__name__", None)
+        if module in _MARKING_ONLY and not _names_a_marker(
+            config.option.markexpr or "", _MARKING_ONLY[module]
+        ):
             continue
         where = getattr(impl.plugin, "__file__", None) or name
         return f"{where} changes the selection in pytest_collection_modifyitems"

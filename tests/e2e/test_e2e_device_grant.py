@@ -3,11 +3,13 @@
 On a GPU node a CPU Ray cluster used to break the trainer twice: the driver
 saw CUDA and asked Ray for GPU bundles the cluster did not have, and workers
 whose bundles held no GPU saw CUDA too and chose NCCL. This module recreates
-that node on a CPU machine: ``torch.cuda.is_available`` answers True in the
-driver (monkeypatched) and in every worker (through the production worker
-setup hook, ``TRAINER_EXTRA_WORKER_SETUP_HOOK``), on a cluster with no GPU.
-A worker that believed CUDA would call NCCL or ``cuda:0`` and fail on this
-CPU-only torch, so a run that trains proves the grant decided.
+that node: ``torch.cuda.is_available`` answers True in the driver
+(monkeypatched) and in every worker (through the production worker setup
+hook, ``TRAINER_EXTRA_WORKER_SETUP_HOOK``), on a cluster with no GPU. With a
+CPU build of torch the hook makes ``is_available`` say True; on a GPU node it
+shows the worker the real cards that Ray hid. A worker that believed CUDA
+would choose NCCL and ``cuda:0``: the tests check the device and backend each
+worker chose, and that a whole run trains on the CPU cluster.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
+from gpusched.inventory import nvml_cards
 from trainer.__main__ import run_on_cluster
 from trainer.config import load_config
 from trainer.controller import (
@@ -37,15 +40,28 @@ from trainer.workers.device import worker_device
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+pytestmark = pytest.mark.skipif(
+    torch.version.cuda is not None and not nvml_cards()[0],
+    reason="a CUDA build of torch on a machine without cards: a worker can neither see a "
+    "real card nor pretend to see one (CUDA calls would fail)",
+)
+
 HOOK = '''\
 import os
 
 
 def pretend_cuda():
-    """Make this worker see CUDA (as on a GPU node) and record that it ran."""
+    """Make this worker see CUDA (as on a GPU node) and record that it ran.
+
+    With a CUDA build the machine's real cards are shown (Ray hid them from a
+    worker granted none); with a CPU build ``is_available`` is made to say True.
+    """
     import torch
 
-    torch.cuda.is_available = lambda: True
+    if torch.version.cuda is not None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        torch.cuda.is_available = lambda: True
     with open(os.path.join(os.path.dirname(__file__), "patched_pids"), "a") as f:
         f.write(f"{os.getpid()}\\n")
 '''

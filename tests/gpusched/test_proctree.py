@@ -42,10 +42,16 @@ time.sleep(300)
 """
 
 
+# The interpreter binary itself, outside any virtual environment: started as a GPU image's
+# venv python, whose site-packages load at start-up, the child ended by SIGTERM (-15)
+# although its handler ran; these children need the standard library alone.
+INTERPRETER = os.readlink("/proc/self/exe") if os.path.exists("/proc/self/exe") else sys.executable
+
+
 def _start_tagged(source: str, tag: str) -> subprocess.Popen:
     """A python child in its own process group with ``tag``; returns once its handlers are set."""
     child = subprocess.Popen(
-        [sys.executable, "-c", source],
+        [INTERPRETER, "-c", source],
         env={**os.environ, TAG_VARIABLE: tag},
         stdout=subprocess.PIPE,
         text=True,

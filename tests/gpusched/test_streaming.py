@@ -219,6 +219,39 @@ def test_a_conftest_that_changes_the_selection_turns_streaming_off(make_suite, r
     assert tests == ["test_a.py::test_keep"]
 
 
+HYPOTHESIS_TEST = """
+from hypothesis import given, strategies as st
+
+@given(st.integers())
+def test_h(x):
+    assert x == x
+"""
+
+
+def test_marker_adding_plugins_of_gpu_images_keep_streaming_on(make_suite, run_gpusched):
+    """pytest-benchmark and Hypothesis (loaded here as on GPU images) implement
+    pytest_collection_modifyitems only to add markers: files still start during the
+    collection; with an -m expression that names Hypothesis's marker, they wait for its end."""
+    import _hypothesis_pytestplugin
+    import pytest_benchmark.plugin
+
+    for plugin in (_hypothesis_pytestplugin, pytest_benchmark.plugin):
+        assert hasattr(plugin, "pytest_collection_modifyitems"), plugin.__name__
+    root = make_suite({"test_a.py": A_RUNS, "test_h.py": HYPOTHESIS_TEST, "test_z_gate.py": gate()})
+    done = run_gpusched(
+        "run", ".", "--simulate-gpus", "1", "--json", "r.json", timeout=hang_guard(120)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "files start once collection is done" not in done.stdout, done.stdout
+    assert (root / "verdict").read_text() == "streamed"
+    assert _report(root / "r.json")["test_h.py"]["outcome"] == "PASSED"
+
+    # gate_seen is left: the gate does not wait again.
+    done = run_gpusched("run", ".", "--simulate-gpus", "1", "-m", "not hypothesis")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "_hypothesis_pytestplugin.py changes the selection" in done.stdout, done.stdout
+
+
 def test_the_collection_leaves_no_temporary_file(make_suite, run_gpusched, tmp_path_factory):
     make_suite({"test_a.py": A_RUNS, "test_z_gate.py": gate()})
     tmp = tmp_path_factory.mktemp("tmpdir")

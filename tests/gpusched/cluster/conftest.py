@@ -74,6 +74,7 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
             initialize_head=True,
             head_node_args={
                 "num_cpus": 1,
+                "num_gpus": 0,  # see _ray_args: Ray counts no card, the node simulates its own
                 "include_dashboard": False,
                 "env_vars": dict(nodes[0]),
                 "_system_config": FAST_HEALTH,
@@ -81,7 +82,7 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
         )
         try:
             for env in nodes[1:]:
-                cluster.add_node(num_cpus=1, env_vars=dict(env))
+                cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
             cluster.wait_for_nodes()
             yield cluster
         finally:
@@ -134,7 +135,7 @@ def cluster_shared():
 @contextlib.contextmanager
 def extra_node(cluster, env: Mapping[str, str]) -> Iterator:
     """One more node in ``cluster`` for the block; removed (killed) at its end if still there."""
-    node = cluster.add_node(num_cpus=1, env_vars=dict(env))
+    node = cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
     cluster.wait_for_nodes()
     family = node_processes(node)  # a test may kill the raylet: its agents are found now
     try:
@@ -316,8 +317,14 @@ def _node_env(node: Mapping[str, str]) -> dict[str, str]:
 
 
 def _ray_args(node: Mapping[str, str]) -> list[str]:
-    """A node's own ``ray start`` flags (``{"--num-gpus": "2"}``)."""
-    return [item for k, v in node.items() if k.startswith("--") for item in (k, v)]
+    """A node's own ``ray start`` flags (``{"--num-gpus": "2"}``); ``--num-gpus 0`` unless given.
+
+    Without the flag Ray counts the machine's real cards: on a GPU machine every
+    simulated node would then report them, and a run would hold only those
+    (``held_cards``). With 0 the nodes are the same on every machine.
+    """
+    flags = {"--num-gpus": "0", **{k: v for k, v in node.items() if k.startswith("--")}}
+    return [item for k, v in flags.items() for item in (k, v)]
 
 
 def write_suite(root: Path, files: Mapping[str, str]) -> None:
