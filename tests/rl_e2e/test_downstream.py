@@ -22,6 +22,7 @@ import tempfile
 import time
 import uuid
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,8 @@ import psutil
 import pytest
 from deadlines import hang_guard
 
-# Four runs of 30 s to 3 min each on a quiet machine (failing/ waits out two 60 s hangs).
+# Four runs of 30 s to 3 min each on a quiet machine (failing/ waits out two 60 s hangs);
+# the two failing/ runs go side by side.
 RUN_BOUND_S = 200
 pytestmark = pytest.mark.timeout(hang_guard(4 * RUN_BOUND_S))
 
@@ -75,8 +77,18 @@ def _leftovers(mark: str, ray_tmp: str, wait_s: float) -> list[str]:
         time.sleep(0.5)
 
 
-def _run(*command: str) -> Run:
-    """Run ``command`` in the downstream repository, on CPU, with a Ray temp root of its own."""
+@dataclass
+class Started:
+    """A run of the downstream's tests under way (its output goes to a file)."""
+
+    process: subprocess.Popen
+    mark: str
+    ray_tmp: str
+    output: Path
+
+
+def _start(*command: str, output: Path) -> Started:
+    """Start ``command`` in the downstream repository, on CPU, with a Ray temp root of its own."""
     mark = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="ds", dir="/tmp")  # short: Ray's socket paths
     env = {
@@ -85,19 +97,58 @@ def _run(*command: str) -> Run:
         if not name.startswith(("PYTEST_", "GPUSCHED_", "RAY_"))
     }
     env.update({MARK_VAR: mark, "RAY_TMPDIR": ray_tmp, "CUDA_VISIBLE_DEVICES": ""})
-    try:
-        done = subprocess.run(
-            command,
-            cwd=DOWNSTREAM,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=hang_guard(RUN_BOUND_S),
+    with output.open("w") as out:
+        process = subprocess.Popen(
+            command, cwd=DOWNSTREAM, env=env, stdout=out, stderr=subprocess.STDOUT, text=True
         )
-        leftovers = _leftovers(mark, ray_tmp, hang_guard(5))
+    return Started(process, mark, ray_tmp, output)
+
+
+def _finish(started: Started) -> Run:
+    """Wait for the run (killed past its bound), then look for what it left alive."""
+    try:
+        try:
+            code = started.process.wait(timeout=hang_guard(RUN_BOUND_S))
+        except subprocess.TimeoutExpired:
+            started.process.kill()
+            started.process.wait()
+            raise
+        leftovers = _leftovers(started.mark, started.ray_tmp, hang_guard(5))
     finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    return Run(done.returncode, done.stdout + done.stderr, leftovers)
+        shutil.rmtree(started.ray_tmp, ignore_errors=True)
+    return Run(code, started.output.read_text(), leftovers)
+
+
+def _run(*command: str) -> Run:
+    """Run ``command`` in the downstream repository, on CPU, with a Ray temp root of its own."""
+    with tempfile.TemporaryDirectory(prefix="ds-out") as out:
+        return _finish(_start(*command, output=Path(out) / "output"))
+
+
+@pytest.fixture(scope="module")
+def failing_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[Started, Path]]]:
+    """``failing/`` under pytest and under gpusched, started together: most of each run is
+    two hangs waited out (60 s each), which the two runs then wait out side by side."""
+    root = tmp_path_factory.mktemp("failing")
+    junit = {name: root / f"{name}.xml" for name in ("pytest", "gpusched")}
+    commands = {
+        "pytest": (sys.executable, "-m", "pytest", "failing", f"--junitxml={junit['pytest']}"),
+        "gpusched": (
+            GPUSCHED, "run", "failing", "--simulate-gpus", "2", "--junitxml", str(junit["gpusched"])
+        ),
+    }  # fmt: skip
+    runs = {
+        name: (_start(*command, output=root / f"{name}.out"), junit[name])
+        for name, command in commands.items()
+    }
+    yield runs
+    for started, _ in runs.values():  # a test that failed early left its run going
+        if started.process.poll() is None:
+            started.process.kill()
+            started.process.wait()
+        shutil.rmtree(started.ray_tmp, ignore_errors=True)
 
 
 def _blocks(output: str) -> dict[str, str]:
@@ -201,10 +252,10 @@ def test_the_suite_passes_under_gpusched():
     assert run.leftovers == []
 
 
-def test_failing_reports_under_pytest(tmp_path):
+def test_failing_reports_under_pytest(failing_runs):
     """``failing/`` with pytest: each report carries the ranks' and workers' output; (e) passes."""
-    junit = tmp_path / "junit.xml"
-    run = _run(sys.executable, "-m", "pytest", "failing", f"--junitxml={junit}")
+    started, junit = failing_runs["pytest"]
+    run = _finish(started)
     assert run.returncode == 1, run.output[-5000:]
     assert re.search(r"^=+ 4 failed, 2 passed in ", run.last_line), run.output[-3000:]
     _check_console(run.output)
@@ -212,10 +263,10 @@ def test_failing_reports_under_pytest(tmp_path):
     assert run.leftovers == []
 
 
-def test_failing_reports_under_gpusched(tmp_path):
+def test_failing_reports_under_gpusched(failing_runs):
     """The same reports reach gpusched's console and its merged JUnit XML."""
-    junit = tmp_path / "junit.xml"
-    run = _run(GPUSCHED, "run", "failing", "--simulate-gpus", "2", "--junitxml", str(junit))
+    started, junit = failing_runs["gpusched"]
+    run = _finish(started)
     assert run.returncode == 1, run.output[-5000:]
     assert run.last_line == "gpusched: 2 passed, 4 failed, 0 skipped", run.output[-5000:]
     _check_console(run.output)
