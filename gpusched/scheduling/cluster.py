@@ -3,9 +3,10 @@
 The driver of a ``gpusched run --ray`` holds one ``ClusterPolicy``: one view of
 every node's cards, including nodes that join during the run (``add_node``). It keeps one ``Packer`` per node, so on each node the cards
 are chosen exactly as on one machine (best fit on memory, CPU slots, quarantine);
-the policy adds only the choice of the node. Its order is today's: the largest
-pending job first (most GPUs, then longest expected, then file order), on the
-node where it fits with the least memory to spare, then on the node with the
+the policy adds only the choice of the node. Its order is ``order.queue_order``'s:
+jobs needing a whole node first, then the longest expected, and on a first run
+(equal expectations) the width with the most pending jobs. Each job goes to the
+node where it fits with the least memory to spare, then to the node with the
 fewest free cards (so large holes stay open for large jobs); a CPU job goes to
 the node with the most free CPU slots. A job never spans nodes: a job needing
 more cards than any node has is ``Unschedulable`` with the reason.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from gpusched.inventory import Card
 from gpusched.requirements import Requirement, format_memory
+from gpusched.scheduling.order import queue_order
 from gpusched.scheduling.packing import (
     Assignment,
     Decision,
@@ -64,10 +66,6 @@ class Placement:
 
 
 ClusterDecision = Placement | Unschedulable
-
-
-def _priority(job: Job) -> tuple[int, float, int]:
-    return (-job.gpus, -job.expected, job.id)
 
 
 def _memory_key(card: Card) -> float:
@@ -122,13 +120,13 @@ class ClusterPolicy:
 
     def submit(self, jobs: Iterable[Job]) -> None:
         self._pending.extend(jobs)
-        self._pending.sort(key=_priority)
 
     def schedule(self) -> list[ClusterDecision]:
-        """Decisions to apply now, in priority order; the driver reports back through ``complete``."""
+        """Decisions to apply now, in ``queue_order``; the driver reports back through ``complete``."""
         decisions: list[ClusterDecision] = []
         still_pending: list[Job] = []
-        for job in self._pending:
+        whole_node = max((len(self._usable(node_id)) for node_id in self._nodes), default=0)
+        for job in queue_order(self._pending, whole_node):
             reason = self._never_fits(job)
             if reason:
                 decisions.append(Unschedulable(job, reason))

@@ -17,6 +17,7 @@ from gpusched.scheduling.cluster import (
     cluster_requirement,
     simulate_cluster,
 )
+from gpusched.scheduling.order import queue_order
 from gpusched.scheduling.packing import Assignment, Job, Unschedulable
 
 GB = 10**9
@@ -63,6 +64,44 @@ def test_longest_expected_first_among_equal_sizes():
     assert list(placed(policy.schedule())) == [1]
     policy.complete(1)
     assert list(placed(policy.schedule())) == [2]
+
+
+def test_whole_node_jobs_first_even_when_shorter():
+    policy = cluster(4)
+    policy.submit([job(0, 1, 9.0), job(1, 4, 1.0)])
+    assert list(placed(policy.schedule())) == [1]
+
+
+def test_with_history_longest_expected_first_whatever_the_width():
+    policy = cluster(4)
+    policy.submit([job(0, 2, 1.0), job(1, 2, 1.5), job(2, 1, 9.0), job(3, 1, 8.0), job(4, 1, 7.0)])
+    assert set(placed(policy.schedule())) == {2, 3, 4}  # one card left: no 2-card job fits
+
+
+def test_first_run_the_width_with_most_pending_files_first():
+    # Every file expects the same (no history): whole-node files, then the longest queue.
+    policy = cluster(4, 4)
+    policy.submit([job(0, 2), job(1, 1), job(2, 1), job(3, 4), job(4, 1), job(5, 2)])
+    where = placed(policy.schedule())
+    assert where == {
+        3: ("n0", ("0", "1", "2", "3")),
+        1: ("n1", ("0",)),
+        2: ("n1", ("1",)),
+        4: ("n1", ("2",)),
+    }  # three 1-card files before two 2-card ones; the 2-card files wait for n0
+    policy.complete(3)
+    assert placed(policy.schedule()) == {0: ("n0", ("0", "1")), 5: ("n0", ("2", "3"))}
+
+
+def test_first_run_equal_queues_wider_first_then_file_order():
+    policy = cluster(3)
+    policy.submit([job(0, 1), job(1, 2), job(2, 1), job(3, 2)])
+    assert list(placed(policy.schedule())) == [1, 0]
+
+
+def test_queue_order_puts_cpu_jobs_last_longest_first():
+    jobs = [job(0, 0, 1.0), job(1, 0, 5.0), job(2, 1, 1.0), job(3, 4, 1.0)]
+    assert [j.id for j in queue_order(jobs, whole_node=4)] == [3, 2, 1, 0]
 
 
 def test_best_fit_on_memory_across_nodes():
