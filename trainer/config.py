@@ -100,6 +100,12 @@ class RolloutConfig:
     tis_mode: str = "truncate"
     """truncate: weight min(ratio, tis_cap); mask: tokens whose ratio exceeds tis_cap get
     weight 0, the others their ratio."""
+    tis_level: str = "auto"
+    """Whose ratio weighs a token: token (its own) or sequence (its response's: the product
+    of its tokens' ratios, which also corrects the prefix and the continuation the reward
+    came from). auto (the default) means sequence when batches are generated ahead
+    (rollout.staleness >= 1), where the token ratio left k=1 a fifth slower, and token
+    otherwise."""
     workers: int = 0
     """Workers on a rollout pool of their own, each with its own engine and copy of the
     policy, pushed to at every step; 0 generates in the actor's workers (colocated)."""
@@ -295,6 +301,13 @@ class Config:
         return AUTO_TIS_CAP if self.rollout.staleness > 0 else 0.0
 
     @property
+    def importance_level(self) -> str:
+        """``rollout.tis_level`` with ``auto`` resolved: sequence with staleness, else token."""
+        if self.rollout.tis_level != "auto":
+            return self.rollout.tis_level
+        return "sequence" if self.rollout.staleness > 0 else "token"
+
+    @property
     def use_critic(self) -> bool:
         return self.algo == "gae"
 
@@ -425,6 +438,10 @@ def validate(cfg: Config) -> None:
     _need(
         r.tis_mode in ("truncate", "mask"),
         f"rollout.tis_mode={r.tis_mode!r}: choose 'truncate' or 'mask'",
+    )
+    _need(
+        r.tis_level in ("auto", "token", "sequence"),
+        f"rollout.tis_level={r.tis_level!r}: choose 'auto', 'token' or 'sequence'",
     )
     _need(r.workers >= 0, f"rollout.workers={r.workers}: must be >= 0 (0: colocated)")
     _need(r.staleness >= 0, f"rollout.staleness={r.staleness}: must be >= 0 (0: synchronous)")

@@ -21,11 +21,12 @@ from ray import cloudpickle
 from ray_trainers import trainer_on_ray
 from trainer_processes import assert_all_gone, tagged, trainer_process, wait_for_first_step
 
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
 from trainer.controller import WorkerDiedError, WorkerError
 from trainer.loop.staleness import Admission, StalenessError, check_lag
 from trainer.models import ensure_tiny_model
 from trainer.workers.rollout import RolloutWorker, weights_fingerprint
+from trainer.workers.settings import policy_settings
 
 # The faulty and slow workers below travel to the Ray workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -111,6 +112,19 @@ def test_the_importance_cap_defaults_on_with_staleness_and_off_without():
     assert load_config(["rollout.staleness=1"]).importance_cap == 2.0
     assert load_config(["rollout.staleness=1", "rollout.tis_cap=0"]).importance_cap == 0.0
     assert load_config(["rollout.staleness=2", "rollout.tis_cap=3"]).importance_cap == 3.0
+
+
+def test_the_importance_weight_is_the_response_s_with_staleness_and_the_token_s_without():
+    """bench/async_learning.py: with token weights k=1 needed 41.8 steps to 0.9 against 34.1."""
+    assert load_config([]).importance_level == "token"
+    assert load_config(["rollout.workers=1"]).importance_level == "token"
+    assert load_config(["rollout.engine=vllm", "rollout.tis_cap=2"]).importance_level == "token"
+    assert load_config(["rollout.staleness=1"]).importance_level == "sequence"
+    k1_token = load_config(["rollout.staleness=1", "rollout.tis_level=token"])
+    assert k1_token.importance_level == "token"
+    assert policy_settings(load_config(["rollout.staleness=1"]), 0).tis_level == "sequence"
+    with pytest.raises(ConfigError, match="rollout.tis_level='geometric'"):
+        load_config(["rollout.tis_level=geometric"])
 
 
 # ----------------------------------------------------------------------------- on Ray

@@ -82,6 +82,8 @@ CAPS = [
     {"tis_cap": 2.0, "tis_mode": "mask"},
     {"tis_cap": 1.0, "tis_mode": "truncate"},
     {"tis_cap": 1.0, "tis_mode": "mask"},
+    {"tis_cap": 2.0, "tis_level": "sequence"},
+    {"tis_cap": 1.0, "tis_mode": "mask", "tis_level": "sequence"},
 ]
 
 
@@ -156,6 +158,36 @@ def test_the_cap_weights_the_loss_and_the_gradient_by_hand(mode):
             "rollout/is_weight_max": 4.0,
             "rollout/is_truncated_frac": 2 / 8,
             "rollout/is_ess": sum(WEIGHTS[mode]) ** 2 / (8 * sum(x * x for x in WEIGHTS[mode])),
+        },
+        rel=1e-5,
+    )
+
+
+# The same ratios per response: row 0 0.25 * 0.5 * 1 * 2.5, row 1 1.5 * 4 * 2, row 2 0.8.
+SEQUENCE_RATIOS = [0.3125] * 4 + [12.0] * 3 + [0.8]
+SEQUENCE_WEIGHTS = {
+    "truncate": [0.3125] * 4 + [2.0] * 3 + [0.8],
+    "mask": [0.3125] * 4 + [0.0] * 3 + [0.8],
+}
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_the_sequence_level_weight_is_the_response_ratio_capped_by_hand(mode):
+    table = _table()
+    td = _off_engine_batch(table)
+    metrics, _, grad = _update(table, td, tis_cap=2.0, tis_mode=mode, tis_level="sequence")
+    m = MASK.bool()
+    w = torch.tensor(SEQUENCE_WEIGHTS[mode])
+    assert metrics["actor/pg_loss"] == pytest.approx(float(-(td["advantages"][m] * w).mean()))
+    torch.testing.assert_close(grad, _hand_gradient(table, td, SEQUENCE_WEIGHTS[mode]))
+    got = importance_metrics(pop_totals(metrics))
+    weights = SEQUENCE_WEIGHTS[mode]
+    assert got == pytest.approx(
+        {
+            "rollout/is_weight_mean": sum(SEQUENCE_RATIOS) / 8,
+            "rollout/is_weight_max": 12.0,
+            "rollout/is_truncated_frac": 3 / 8,
+            "rollout/is_ess": sum(weights) ** 2 / (8 * sum(x * x for x in weights)),
         },
         rel=1e-5,
     )

@@ -94,6 +94,22 @@ def test_truncated_importance_weights():
         tis_weights(actor, rollout, cap=0.0)
 
 
+def test_the_sequence_ratio_is_the_product_over_the_response_and_padding_weighs_nothing():
+    actor = torch.log(torch.tensor([[0.5, 0.4, 0.9], [0.2, 0.3, 0.6]]))
+    rollout = torch.tensor([[math.log(0.25), math.log(0.8), float("nan")], [0.0, 0.0, 0.0]])
+    rollout[1] = torch.log(torch.tensor([0.1, 0.3, 0.2]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # the nan is padding
+    got = importance_ratios(actor, rollout, mask, level="sequence")
+    # row 0: 2 * 0.5 = 1; row 1: 2 * 1 * 3 = 6; every response token of a row gets its row's
+    torch.testing.assert_close(got, torch.tensor([[1.0, 1.0, 0.0], [6.0, 6.0, 6.0]]))
+    token = importance_ratios(actor, rollout, mask)
+    torch.testing.assert_close(token, torch.tensor([[2.0, 0.5, 0.0], [2.0, 1.0, 3.0]]))
+    with pytest.raises(ValueError, match="unknown tis_level 'row'"):
+        importance_ratios(actor, rollout, mask, level="row")
+    with pytest.raises(ValueError, match="needs the response mask"):
+        importance_ratios(actor, rollout, level="sequence")
+
+
 def test_cap_modes_truncate_or_mask_and_padding_weighs_nothing():
     ratios = torch.tensor([[0.5, 1.0, 2.0, 2.5, 7.0]])
     assert cap_weights(ratios, 2.0).tolist() == [[0.5, 1.0, 2.0, 2.0, 2.0]]

@@ -13,7 +13,10 @@ The correction is decoupled PPO: the clip is taken against the actor's own
 (proximal) log-probs of the batch, and each token's clipped loss is weighted
 by the importance ratio pi_proximal / pi_rollout of the policy the clip is
 anchored to over the engine's policy that sampled, capped at ``tis_cap``
-(:func:`importance_ratios`, :func:`cap_weights`). Its health is reported every
+(:func:`importance_ratios`, :func:`cap_weights`). The ratio is the token's own
+(``level="token"``) or its whole response's, the product of the token ratios
+(``level="sequence"``), which also reweights the prefix the token was sampled
+after and the continuation its reward came from. Its health is reported every
 step the batch carries the engine's log-probs (``rollout/is_weight_mean``,
 ``rollout/is_weight_max``, ``rollout/is_truncated_frac``, ``rollout/is_ess``).
 
@@ -30,6 +33,7 @@ import torch
 
 __all__ = [
     "PROB_GAP",
+    "TIS_LEVELS",
     "TIS_MODES",
     "TOTALS_REDUCE",
     "add_totals",
@@ -49,6 +53,8 @@ PROB_GAP = 0.1
 
 #: ``rollout.tis_mode``: how the cap applies to a ratio above it.
 TIS_MODES = ("truncate", "mask")
+#: ``rollout.tis_level``: whose ratio weighs a token, its own or its response's.
+TIS_LEVELS = ("token", "sequence")
 # Bound on log(pi_actor / pi_rollout) before exp(): a ratio stays finite.
 _LOG_RATIO_MAX = 20.0
 
@@ -134,6 +140,7 @@ def importance_ratios(
     actor_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
     response_mask: torch.Tensor | None = None,
+    level: str = "token",
 ) -> torch.Tensor:
     """``pi_actor / pi_rollout`` per token, no gradient; 0 at padding (``response_mask`` 0).
 
@@ -142,8 +149,25 @@ def importance_ratios(
     update's own forward, detached, for one on-policy pass); the engine's are
     the behaviour policy's, the one that sampled the tokens. Whatever sits at
     a padding position (even a NaN) gives weight 0 there.
+
+    ``level="sequence"`` gives every token of a row the row's ratio,
+    ``exp(min(sum_t log pi_actor - log pi_rollout, 20))`` over its response
+    tokens (verl's ``rollout_is_level=sequence``; needs ``response_mask``).
+    With a reward on the last token, the token ratio corrects only the token's
+    own probability: the prefix it follows and the continuation that earned
+    the reward stay the engine's. The product reweights the whole response, so
+    before the cap the weighted loss is the proximal policy's own PPO loss;
+    it varies more as responses grow longer.
     """
+    if level not in TIS_LEVELS:
+        raise ValueError(f"unknown tis_level {level!r}; expected one of {TIS_LEVELS}")
     log_ratio = actor_log_probs.detach() - rollout_log_probs.detach().to(actor_log_probs.device)
+    if level == "sequence":
+        if response_mask is None:
+            raise ValueError("tis_level='sequence' needs the response mask")
+        m = response_mask.bool()
+        log_ratio = torch.where(m, log_ratio, torch.zeros_like(log_ratio)).sum(-1, keepdim=True)
+        log_ratio = log_ratio.expand_as(m)
     ratios = log_ratio.clamp(max=_LOG_RATIO_MAX).exp()
     if response_mask is None:
         return ratios

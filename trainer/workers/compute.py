@@ -62,6 +62,8 @@ class PolicyUpdateSettings:
     """Cap of the importance weight pi_actor / pi_rollout in the corrected loss; 0 is off."""
     tis_mode: str = "truncate"
     """truncate: weight min(ratio, tis_cap); mask: 0 above tis_cap, the ratio below."""
+    tis_level: str = "token"
+    """token: each token's own ratio; sequence: its response's (the product of its tokens')."""
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,8 @@ def update_policy(
     (the proximal policy) and, with ``s.tis_cap > 0``, each token's clipped
     loss is weighted by the ratio of the proximal policy over the engine's
     (``rollout_log_probs``, the behaviour policy), capped as ``s.tis_mode``
-    says (:func:`~trainer.algorithms.mismatch.cap_weights`); padding weighs 0.
+    says (:func:`~trainer.algorithms.mismatch.cap_weights`), the ratio being the
+    token's own or its response's as ``s.tis_level`` says; padding weighs 0.
     Whenever the batch carries ``rollout_log_probs`` the weights' totals
     (:func:`~trainer.algorithms.mismatch.importance_totals`, each token once:
     first epoch) come back with the metrics, applied or not.
@@ -333,7 +336,9 @@ def update_policy(
                     totals = add_totals(totals, piece)
                 weights = None
                 if engine_lp:
-                    ratios = importance_ratios(old_log_prob, micro["rollout_log_probs"], mask)
+                    ratios = importance_ratios(
+                        old_log_prob, micro["rollout_log_probs"], mask, s.tis_level
+                    )
                     capped = cap_weights(ratios, s.tis_cap, s.tis_mode) if s.tis_cap > 0 else ratios
                     if epoch == 0:
                         piece = importance_totals(ratios, capped, mask, s.tis_cap)

@@ -34,6 +34,7 @@ def policy_settings(cfg: Config, step: int) -> PolicyUpdateSettings:
         share_prompt=share_prompt(cfg),
         tis_cap=cfg.importance_cap,
         tis_mode=cfg.rollout.tis_mode,
+        tis_level=cfg.importance_level,
     )
 
 
