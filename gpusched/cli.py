@@ -121,7 +121,7 @@ def suite_files(
     they still land in a shard and are reported there.
     """
     from gpusched import session
-    from gpusched.history import HISTORY_FILE, expected_durations, history_key, load_history
+    from gpusched.history import HISTORY_FILE, expected_durations, history_key, load_durations
 
     prepared = session.prepare(paths, settings, pytest_args)
     rootdir = prepared.collection.rootdir
@@ -132,7 +132,7 @@ def suite_files(
     others = [e.path for e in [*prepared.collection.errors, *prepared.collection.skipped]]
     others = [path for path in dict.fromkeys(others) if path not in files]
     if others:
-        history, _ = load_history(STATE_DIR / HISTORY_FILE)
+        history, _ = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
         keys = [history_key(path, rootdir) for path in others]
         expected = expected_durations(history, keys)
         files.update(

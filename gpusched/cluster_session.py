@@ -43,7 +43,7 @@ from gpusched.execution.cluster.driver import (
 from gpusched.execution.cluster.reach import parse_address
 from gpusched.execution.forkclient import EarlyServer, ForkServer, new_run_id
 from gpusched.feed import Backlog, Feeder
-from gpusched.history import HISTORY_FILE, load_history, observations, record_durations
+from gpusched.history import HISTORY_FILE, load_durations, observations, record_durations
 from gpusched.inventory import Card
 from gpusched.options import UsageError, check_paths
 from gpusched.reporting.report import ConsoleReporter, display_path, format_place
@@ -228,7 +228,7 @@ def _run(
     selection = session.selection_args(settings)
     args = [*selection, *pytest_args]
     cache = session.collection_cache(paths, settings, args)
-    history, warning = load_history(STATE_DIR / HISTORY_FILE)
+    history, warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
     if warning:
         reporter.say(f"gpusched: warning: {warning}")
     ran = asyncio.run(

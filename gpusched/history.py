@@ -167,6 +167,11 @@ def history_key(path: str, rootdir: str) -> str:
     return Path(relative).as_posix()
 
 
+def with_seed(history: Mapping[str, Entry], seed: Mapping[str, Entry]) -> History:
+    """``history`` with the entries of ``seed`` (``--durations-seed``) for the files it lacks."""
+    return {**seed, **history}
+
+
 def expected_durations(history: Mapping[str, Entry], keys: Sequence[str]) -> dict[str, float]:
     """Expected seconds for each key: its history, or the mean of the known ones.
 
@@ -208,6 +213,19 @@ def load_history(path: str | Path) -> tuple[History, str | None]:
         return parse_history(text), None
     except HistoryError as exc:
         return {}, f"duration history {path} is corrupt ({exc}); ignoring it, it will be replaced"
+
+
+def load_durations(path: str | Path, seed: str | Path | None) -> tuple[History, str | None]:
+    """The history at ``path`` filled in from the durations file ``seed``, and a warning.
+
+    ``seed`` was checked when the options were read; a seed that broke since
+    then is left out with a warning, like a corrupt history.
+    """
+    history, warning = load_history(path)
+    if seed is None:
+        return history, warning
+    seeded, seed_warning = load_history(seed)
+    return with_seed(history, seeded), warning or seed_warning
 
 
 def record_durations(path: str | Path, observed: Mapping[str, float]) -> str | None:

@@ -97,6 +97,21 @@ def _on_off(text: str) -> bool:
     raise ValueError("must be on or off")
 
 
+def _durations_file(text: str) -> str:
+    """A readable durations file in the history's format (``--durations-seed``)."""
+    from gpusched.history import HistoryError, parse_history
+
+    try:
+        parse_history(Path(text).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError("no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot be read ({exc})") from None
+    except HistoryError as exc:
+        raise ValueError(f"is not a durations file ({exc})") from None
+    return text
+
+
 def _module_list(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     for name in names:
@@ -127,6 +142,7 @@ class Option:
     help: str
     metavar: str | None = None
     flag: bool = False  # a switch on the command line; "1"/"0" elsewhere
+    path: bool = False  # a file: relative to pyproject.toml's folder when set there
 
     @property
     def env(self) -> str:
@@ -219,6 +235,19 @@ OPTIONS: tuple[Option, ...] = (
         "on|off",
     ),
     Option(
+        "durations_seed",
+        ("--durations-seed",),
+        _durations_file,
+        None,
+        "a durations file in the format of .gpusched/durations.json (e.g. one committed "
+        "to the repository) for the files this machine's history does not know, so a "
+        "first run or a CI job without a cache packs the longest files first; read, "
+        "never written; relative to the current directory (in [tool.gpusched]: to "
+        "pyproject.toml's folder)",
+        "PATH",
+        path=True,
+    ),
+    Option(
         "preload",
         ("--preload",),
         _module_list,
@@ -300,8 +329,11 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 PLAN_OPTIONS = frozenset(
-    {"gpus", "simulate_gpus", "collect_timeout", "cpu_slots", "markexpr", "keyword", "ray"}
-)
+    {
+        "gpus", "simulate_gpus", "collect_timeout", "cpu_slots", "markexpr", "keyword", "ray",
+        "durations_seed",
+    }
+)  # fmt: skip
 
 
 def add_options(parser: argparse.ArgumentParser, names: frozenset[str] | None = None) -> None:
@@ -371,6 +403,8 @@ def resolve(
                 text = ",".join(str(item) for item in raw)
             else:
                 text = str(raw)
+            if option.path and source.startswith("[tool.gpusched]"):
+                text = str(Path(table_source).parent / text)  # an absolute text stays as it is
             try:
                 values[option.name] = option.parse(text)
             except ValueError as exc:

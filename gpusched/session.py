@@ -55,7 +55,7 @@ from gpusched.history import (
     HISTORY_FILE,
     expected_durations,
     history_key,
-    load_history,
+    load_durations,
     observations,
     record_durations,
 )
@@ -186,7 +186,7 @@ def prepare(
     collection = collect(paths, args, settings["collect_timeout"], server, cache)
     if cache is not None:
         remember_collection(cache[0], collection)
-    history, warning = load_history(STATE_DIR / HISTORY_FILE)
+    history, warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
     keys = [history_key(entry.path, collection.rootdir) for entry in collection.files]
     expected = expected_durations(history, keys)
     jobs = [
@@ -335,7 +335,7 @@ def _run(
         heartbeat=settings["heartbeat"],
         prestart=settings["prestart"],
     )
-    history, history_warning = load_history(STATE_DIR / HISTORY_FILE)
+    history, history_warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
     for warning in (history_warning, tmp_warning):
         if warning:
             reporter.say(f"gpusched: warning: {warning}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from gpusched.history import (
     observations,
     parse_history,
     record_durations,
+    with_seed,
 )
 from gpusched.results import FileResult, Outcome
 
@@ -173,3 +175,49 @@ def test_merge_command_joins_shard_histories(tmp_path):
     assert "2 files" in done.stdout
     merged = parse_history(Path(out).read_text(encoding="utf-8"))
     assert merged["a.py"].last == 5.0 and merged["b.py"].last == 9.0
+
+
+def test_a_seed_fills_in_only_the_files_the_history_lacks():
+    local = {"a.py": Entry(2.0, 2.0, 3)}
+    seed = {"a.py": Entry(50.0, 50.0, 9), "b.py": Entry(30.0, 30.0, 1)}
+    assert with_seed(local, seed) == {"a.py": Entry(2.0, 2.0, 3), "b.py": Entry(30.0, 30.0, 1)}
+
+
+def _seed_file(path: Path, seconds: dict[str, float]) -> Path:
+    path.write_text(dump_history({k: Entry(v, v, 1) for k, v in seconds.items()}))
+    return path
+
+
+def test_a_first_run_with_a_seed_starts_the_longest_seeded_file_first(tmp_path, run_gpusched):
+    """No .gpusched/ yet (a fresh clone, a CI job without a cache), one CPU slot: without the
+    seed the files start in file order; with it, the file the seed knows as long starts first."""
+    for name in ("test_a.py", "test_z.py"):
+        (tmp_path / name).write_text("def test_it():\n    pass\n")
+    seed = _seed_file(tmp_path / "durations.json", {"test_a.py": 1.0, "test_z.py": 60.0})
+
+    def starts(*args: str) -> list[str]:
+        done = run_gpusched("run", ".", "--cpu-slots", "1", *args, timeout=hang_guard(120))
+        assert done.returncode == 0, done.stdout + done.stderr
+        shutil.rmtree(tmp_path / ".gpusched")
+        return [line.split()[1] for line in done.stdout.splitlines() if line.startswith("START")]
+
+    assert starts() == ["test_a.py", "test_z.py"]
+    assert starts("--durations-seed", str(seed)) == ["test_z.py", "test_a.py"]
+    assert json.loads(seed.read_text())["files"]["test_z.py"]["runs"] == 1  # never written
+
+
+@pytest.mark.parametrize(
+    ("content", "complaint"),
+    [(None, "no such file"), ("{not json", "is not a durations file")],
+)
+def test_a_bad_seed_is_a_usage_error_naming_it(tmp_path, run_gpusched, content, complaint):
+    seed = tmp_path / "seed.json"
+    if content is not None:
+        seed.write_text(content)
+    (tmp_path / "test_a.py").write_text("def test_it():\n    pass\n")
+    done = run_gpusched("run", ".", "--durations-seed", str(seed), timeout=hang_guard(60))
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert (
+        "--durations-seed" in done.stderr + done.stdout and complaint in done.stderr + done.stdout
+    )
+    assert str(seed) in done.stderr + done.stdout

@@ -228,15 +228,36 @@ def test_h(x):
 """
 
 
-def test_marker_adding_plugins_of_gpu_images_keep_streaming_on(make_suite, run_gpusched):
-    """pytest-benchmark and Hypothesis (loaded here as on GPU images) implement
-    pytest_collection_modifyitems only to add markers: files still start during the
-    collection; with an -m expression that names Hypothesis's marker, they wait for its end."""
-    import _hypothesis_pytestplugin
+BENCHMARK_TEST = """
+def test_b(benchmark):
+    benchmark(sum, [1, 2, 3])
+"""
+
+
+def test_pytest_benchmark_keeps_streaming_on(make_suite, run_gpusched):
+    """pytest-benchmark (a test dependency here, as it is on GPU images) implements
+    pytest_collection_modifyitems only to add skip markers: files still start while the
+    collection runs, and --benchmark-skip skips its tests in their own file's process."""
     import pytest_benchmark.plugin
 
-    for plugin in (_hypothesis_pytestplugin, pytest_benchmark.plugin):
-        assert hasattr(plugin, "pytest_collection_modifyitems"), plugin.__name__
+    assert hasattr(pytest_benchmark.plugin, "pytest_collection_modifyitems")
+    root = make_suite({"test_a.py": A_RUNS, "test_b.py": BENCHMARK_TEST, "test_z_gate.py": gate()})
+    done = run_gpusched(
+        "run", ".", "--simulate-gpus", "1", "--json", "r.json", "--", "--benchmark-skip",
+        timeout=hang_guard(120),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "files start once collection is done" not in done.stdout, done.stdout
+    assert (root / "verdict").read_text() == "streamed"
+    assert _report(root / "r.json")["test_b.py"]["tests"][0]["outcome"] == "skipped"
+
+
+def test_hypothesis_keeps_streaming_on_unless_m_names_its_marker(make_suite, run_gpusched):
+    """Hypothesis (on GPU images; not a dependency here: its plugin adds about 0.6 s to every
+    pytest start) adds the `hypothesis` marker in pytest_collection_modifyitems: files
+    still start during the collection, unless an -m expression names that marker."""
+    plugin = pytest.importorskip("_hypothesis_pytestplugin")
+    assert hasattr(plugin, "pytest_collection_modifyitems")
     root = make_suite({"test_a.py": A_RUNS, "test_h.py": HYPOTHESIS_TEST, "test_z_gate.py": gate()})
     done = run_gpusched(
         "run", ".", "--simulate-gpus", "1", "--json", "r.json", timeout=hang_guard(120)
