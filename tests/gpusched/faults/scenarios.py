@@ -447,17 +447,23 @@ RAY_FILE = """
     HERE = Path(__file__).parent
     OTHER = {"test_ray_a": "test_ray_b", "test_ray_b": "test_ray_a"}
 
+    @ray.remote
+    def niceness():
+        return os.nice(0)
+
     def test_own_cluster():
         me = Path(__file__).stem
         info = {
             "ray_address_set": "RAY_ADDRESS" in os.environ,
             "ray_tmpdir": os.environ["RAY_TMPDIR"],
             "master_port": os.environ["MASTER_PORT"],
+            "test_nice": os.nice(0),
         }
         context = ray.init(num_cpus=1, include_dashboard=False)
         try:
             info["gcs"] = context.address_info["gcs_address"]
             info["session_dir"] = context.address_info["session_dir"]
+            info["worker_nice"] = ray.get(niceness.remote())
             (HERE / f"{me}.part").write_text(json.dumps(info))
             os.replace(HERE / f"{me}.part", HERE / f"{me}.json")
             # Stay up until the other file's cluster is up too, so the two overlap.

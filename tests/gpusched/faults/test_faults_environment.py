@@ -31,6 +31,14 @@ def test_ray_address_is_absent_not_empty(parent):
     assert env["RAY_TMPDIR"] == "/tmp/gsx" and env["PATH"] == "/bin"
 
 
+@pytest.mark.parametrize(("parent", "expected"), [({}, "0"), ({"RAY_worker_niceness": "15"}, "15")])
+def test_ray_workers_keep_the_tests_priority_unless_the_user_says(parent, expected):
+    env = child_env(
+        {"PATH": "/bin", **parent}, (), simulated=False, ray_tmpdir="/tmp/g", master_port=1, tag="t"
+    )
+    assert env["RAY_worker_niceness"] == expected
+
+
 @pytest.mark.parametrize(
     ("path", "kind"),
     [
@@ -72,3 +80,5 @@ def test_two_files_start_two_separate_ray_clusters(checked):
     for info in infos:
         assert len(info["ray_tmpdir"]) < 40  # Ray's socket paths stay far under 107 bytes
     assert infos[0]["master_port"] != infos[1]["master_port"]
+    # Ray's workers run at the test's own priority, not Ray's default niceness 15.
+    assert [info["worker_nice"] for info in infos] == [info["test_nice"] for info in infos]
