@@ -34,9 +34,8 @@ def child_env(
     would try to attach instead of starting a local cluster.
 
     Ray's workers run at the test's own priority (``RAY_worker_niceness=0``)
-    unless the user set it: at Ray's default of 15 a file's Ray workers get
-    about a thirtieth of a core beside a busy file next to it, and a file that
-    takes 42 s alone took 311 s beside two busy processes (59 s at niceness 0).
+    unless the user set it: at Ray's default of 15 they get a small share of a
+    core beside busy sibling files (figures in docs/reliability.md).
     """
     env = {key: value for key, value in base.items() if key != "RAY_ADDRESS"}
     env.update(card_env(cards))
