@@ -691,6 +691,7 @@ def plan(
     reporter.say(
         f"gpusched: expected durations of {prepared.known} of {len(prepared.jobs)} files "
         f"from {STATE_DIR / HISTORY_FILE}"
+        + (f" and {settings['durations_seed']}" if settings["durations_seed"] else "")
         + (", the others get their mean" if prepared.known < len(prepared.jobs) else "")
     )
     eta = time.strftime("%H:%M:%S", time.localtime(time.time() + makespan))

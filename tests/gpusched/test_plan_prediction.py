@@ -49,6 +49,19 @@ def predicted(output: str) -> float:
     return float(re.search(r"predicted makespan ([\d.]+)s for 4 files \(ETA ", output).group(1))
 
 
+def test_plan_names_the_durations_seed_that_filled_in_the_history(suite):
+    write_history(suite, dump_history({k: Entry(v, v, 2) for k, v in KNOWN.items()}))
+    seed = suite / "ci-durations.json"
+    seed.write_text(dump_history({"test_d.py": Entry(6.0, 6.0, 1)}), encoding="utf-8")
+    done = gpusched(suite, "plan", "--durations-seed", str(seed))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert expected_column(done.stdout) == {**KNOWN, "test_d.py": 6.0}
+    assert (
+        f"expected durations of 4 of 4 files from .gpusched/durations.json and {seed}"
+        in done.stdout
+    ), done.stdout
+
+
 def test_plan_predicts_from_the_history_and_gives_unknown_files_the_mean(suite):
     write_history(suite, dump_history({k: Entry(v, v, 2) for k, v in KNOWN.items()}))
     done = gpusched(suite, "plan")
