@@ -34,6 +34,7 @@ __all__ = ["Leftovers", "RayCluster", "WorkerLogs", "local_cluster", "short_temp
 # Ray's unix-socket paths live under the temp dir and must stay under 107 bytes.
 _MAX_TEMP_ROOT_LEN = 40
 _LIVE_ACTOR_STATES = frozenset({"DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "RESTARTING"})
+_WORKER_NICENESS = "RAY_worker_niceness"  # each Ray worker reads it when it starts
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,10 @@ def local_cluster(
 ) -> Iterator[RayCluster]:
     """Start a new local Ray with ``runtime_env``; shut it down and remove its files whatever happens.
 
+    Its workers run at the test process's niceness unless ``RAY_worker_niceness``
+    is set: at Ray's default of 15 they get a small share of a core beside the
+    processes of other tests (pytest-xdist workers, gpusched's other files).
+
     Raises:
         RuntimeError: Ray is already initialised in this process (a test that
             called ``ray.init`` itself, or two cluster fixtures at once).
@@ -81,6 +86,8 @@ def local_cluster(
     saved_address = os.environ.pop("RAY_ADDRESS", None)
     temp_dir = Path(tempfile.mkdtemp(prefix="ray", dir=short_temp_root()))
     reaper = start_reaper()  # Ray's processes inherit its tag
+    default_niceness = _WORKER_NICENESS not in os.environ
+    os.environ.setdefault(_WORKER_NICENESS, "0")
     try:
         try:
             context = ray.init(
@@ -94,6 +101,8 @@ def local_cluster(
             )
         finally:
             os.environ.pop(reaper.variable, None)  # the test's own children are not Ray's
+            if default_niceness:
+                os.environ.pop(_WORKER_NICENESS, None)
         yield RayCluster(
             address=context.address_info["gcs_address"],
             temp_dir=temp_dir,
