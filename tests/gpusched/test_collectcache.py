@@ -4,6 +4,8 @@ predictions are caught by the file's own child and run on the right cards."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 from gpusched.collection.cache import (
@@ -173,7 +175,11 @@ def test_a_stale_prediction_is_run_again_on_the_cards_the_file_needs(
     assert first.returncode == 0, first.stdout + first.stderr
     assert len(seen.read_text().split()[0].split(",")) == 1
 
-    (tmp_path / "tests" / "helpers.py").write_text("import pytest\nneeds = pytest.mark.gpu(2)\n")
+    helpers = tmp_path / "tests" / "helpers.py"
+    helpers.write_text("import pytest\nneeds = pytest.mark.gpu(2)\n")
+    # An edit a second later, as a person's would be: Python trusts a cached .pyc of the
+    # same size and modification second, and the first run may have written one.
+    os.utime(helpers, (time.time() + 2, time.time() + 2))
     seen.unlink()
     second = run_gpusched(
         "run", "tests", "--simulate-gpus", "2", "--json", "report.json", SEEN=str(seen)
