@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from gpusched.atomic import atomic_write
 from gpusched.execution.cluster import reach, versions
 from gpusched.execution.cluster.agent import (
+    AGENT_RUNTIME_ENV,
     AgentConfig,
     AgentDone,
     AgentEvent,
@@ -208,6 +209,7 @@ def create_agent(node: Mapping[str, Any], free_gpus: Mapping[str, int]) -> Any:
     return remote.options(
         num_gpus=free_gpus.get(node["NodeID"], 0) if ray_gpus(node) else 0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        runtime_env=AGENT_RUNTIME_ENV,
     ).remote()
 
 

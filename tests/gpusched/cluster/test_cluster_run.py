@@ -7,6 +7,7 @@ needs a node to differ or to die adds its own node and removes it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import xml.etree.ElementTree as ET
 
@@ -208,6 +209,34 @@ def test_plan_predicts_the_makespan_across_nodes(cluster_shared, tmp_path):
     assert lines[-1] == "gpusched: predicted makespan 2.0s for 4 files on 3 nodes", result.stdout
     schedule = [line for line in lines if "s -> " in line]
     assert len({line.split("[")[1].split(" gpu")[0] for line in schedule}) == 3
+
+
+NICENESS_TEST = """
+    import json, os, pytest
+
+    {marker}
+    def test_niceness():
+        with open({log!r}, "a") as out:
+            out.write(json.dumps(os.nice(0)) + "\\n")
+"""
+
+
+def test_files_run_at_the_nodes_niceness_not_ray_workers(cluster_shared, tmp_path):
+    """Ray starts its workers at niceness 15; the agent's files would starve beside the
+    node's other processes (and time out where they pass locally)."""
+    log = tmp_path / "nice.jsonl"
+    write_suite(
+        tmp_path,
+        {
+            "test_gpu.py": NICENESS_TEST.format(marker="@pytest.mark.gpu(1)", log=str(log)),
+            "test_cpu.py": NICENESS_TEST.format(marker="", log=str(log)),
+        },
+    )
+    result = gpusched(tmp_path, "run", ".", "--ray", cluster_shared.address)
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    # The raylets inherited this process's niceness: the files have the same (not 15 more).
+    assert seen == [os.nice(0)] * 2
 
 
 def test_unknown_address_is_a_usage_error(tmp_path):
