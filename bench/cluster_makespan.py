@@ -53,6 +53,7 @@ import heapq
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -133,8 +134,26 @@ def virtual_makespan(files: list[SyntheticFile], extra: float, history: bool) ->
 @contextmanager
 def simulated_cluster() -> Iterator[str]:
     """A real Ray cluster of ``NODES`` raylets on this machine, each declaring ``CARDS``
-    simulated cards and ``SLOTS`` CPUs; yields its address, removes every node after."""
+    simulated cards and ``SLOTS`` CPUs; yields its address, removes every node after, and its
+    temp dir (``RAY_TMPDIR``: its sessions and the address file ``cluster_utils`` writes,
+    which would otherwise leave ``ray.init()`` on this machine pointing at a dead cluster)."""
     os.environ.update(ENV)
+    saved_tmpdir = os.environ.get("RAY_TMPDIR")
+    temp_dir = tempfile.mkdtemp(prefix="gsb", dir="/tmp")  # Ray's socket paths stay short
+    os.environ["RAY_TMPDIR"] = temp_dir
+    try:
+        with _nodes() as address:
+            yield address
+    finally:
+        if saved_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved_tmpdir
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def _nodes() -> Iterator[str]:
     from ray.cluster_utils import Cluster
 
     declare = {"GPUSCHED_SIMULATE_GPUS": str(CARDS)}

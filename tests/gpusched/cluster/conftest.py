@@ -63,11 +63,23 @@ RECORDING_TEST = """
 
 @contextlib.contextmanager
 def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
-    """A running cluster with one raylet per entry of ``nodes`` (its environment); the first is the head."""
+    """A running cluster with one raylet per entry of ``nodes`` (its environment); the first is the head.
+
+    Its sessions and the address file ``cluster_utils`` writes (``ray.init()``
+    would connect to that address after the test) go to a temp dir of its own
+    (``RAY_TMPDIR``, in ``/tmp``: Ray's socket paths must stay under 107 bytes),
+    removed at the end: under plain pytest they would otherwise land in
+    ``/tmp/ray``, the file naming a dead cluster.
+    """
     from ray.cluster_utils import Cluster
 
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in RAY_ENV.items():
+    with (
+        tempfile.TemporaryDirectory(
+            prefix="gsc", dir="/tmp", ignore_cleanup_errors=True
+        ) as temp_dir,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        for name, value in {**RAY_ENV, "RAY_TMPDIR": temp_dir}.items():
             patch.setenv(name, value)
         patch.delenv("RAY_ADDRESS", raising=False)
         cluster = Cluster(
@@ -77,7 +89,9 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
                 "num_gpus": 0,  # see _ray_args: Ray counts no card, the node simulates its own
                 "include_dashboard": False,
                 "env_vars": dict(nodes[0]),
-                "_system_config": FAST_HEALTH,
+                # A copy: Ray writes this cluster's spilling directory into the dict, and the
+                # next cluster would spill into (and create again) this one's, gone by then.
+                "_system_config": dict(FAST_HEALTH),
             },
         )
         try:
