@@ -50,12 +50,13 @@ SIMULATE_VARIABLE = (
 )
 LOG_LIMIT = 1 << 20  # bytes of each file's log sent back to the driver (its end)
 POLL_WAIT = 1.0  # seconds a poll waits for events before it answers empty (the heartbeat)
-# Set by Ray in its worker processes; a child pytest must not think it is a Ray worker.
 # The agent's actor options: it and the files it forks run at the node's own niceness, as a
 # job's driver does under Ray's job supervisor, not at the 15 Ray gives its workers (a Ray
 # worker adds RAY_worker_niceness to its niceness at start). Ray merges this into the job's
-# runtime env, so the shipped working_dir stays; the files get 0 from ``child_env`` anyway.
+# runtime env, so the shipped working_dir stays. (Each file's environment has the variable
+# at 0 from ``child_env`` in any case, for the Ray workers the file starts itself.)
 AGENT_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+# Set by Ray in its worker processes; a child pytest must not think it is a Ray worker.
 _RAY_WORKER_VARIABLES = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_NODE_ID", "RAY_ADDRESS")
 
 
