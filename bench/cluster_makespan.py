@@ -53,7 +53,6 @@ import heapq
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from unittest import mock
 
 import psutil
 from sched_makespan import SyntheticFile, write_suite  # bench/ is the script's sys.path[0]
@@ -138,51 +138,40 @@ def simulated_cluster() -> Iterator[str]:
     temp dir (``RAY_TMPDIR``: its sessions and the address file ``cluster_utils`` writes,
     which would otherwise leave ``ray.init()`` on this machine pointing at a dead cluster)."""
     os.environ.update(ENV)
-    saved_tmpdir = os.environ.get("RAY_TMPDIR")
-    temp_dir = tempfile.mkdtemp(prefix="gsb", dir="/tmp")  # Ray's socket paths stay short
-    os.environ["RAY_TMPDIR"] = temp_dir
-    try:
-        with _nodes() as address:
-            yield address
-    finally:
-        if saved_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved_tmpdir
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@contextmanager
-def _nodes() -> Iterator[str]:
     from ray.cluster_utils import Cluster
 
     declare = {"GPUSCHED_SIMULATE_GPUS": str(CARDS)}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": SLOTS, "include_dashboard": False, "env_vars": declare},
-    )
-    try:
-        for _ in range(NODES - 1):
-            cluster.add_node(num_cpus=SLOTS, env_vars=declare)
-        cluster.wait_for_nodes()
-        yield cluster.address
-    finally:
-        # A killed raylet's agents (dashboard, runtime env) can outlive it: kill them too.
-        family = []
-        for node in [*cluster.worker_nodes, cluster.head_node]:
-            for info in node.all_processes.values() if node else ():
-                for started in info:
-                    with suppress(psutil.NoSuchProcess):
-                        raylet = psutil.Process(started.process.pid)
-                        family += [raylet, *raylet.children(recursive=True)]
-        for node in list(cluster.worker_nodes):
-            cluster.remove_node(node, allow_graceful=False)
-        if cluster.head_node is not None:
-            cluster.remove_node(cluster.head_node, allow_graceful=False)
-        for process in family:
-            with suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(family, timeout=10)
+    with (
+        # In /tmp: Ray's socket paths must stay short.
+        tempfile.TemporaryDirectory(prefix="gsb", dir="/tmp", ignore_cleanup_errors=True) as tmp,
+        mock.patch.dict(os.environ, {"RAY_TMPDIR": tmp}),
+    ):
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": SLOTS, "include_dashboard": False, "env_vars": declare},
+        )
+        try:
+            for _ in range(NODES - 1):
+                cluster.add_node(num_cpus=SLOTS, env_vars=declare)
+            cluster.wait_for_nodes()
+            yield cluster.address
+        finally:
+            # A killed raylet's agents (dashboard, runtime env) can outlive it: kill them too.
+            family = []
+            for node in [*cluster.worker_nodes, cluster.head_node]:
+                for info in node.all_processes.values() if node else ():
+                    for started in info:
+                        with suppress(psutil.NoSuchProcess):
+                            raylet = psutil.Process(started.process.pid)
+                            family += [raylet, *raylet.children(recursive=True)]
+            for node in list(cluster.worker_nodes):
+                cluster.remove_node(node, allow_graceful=False)
+            if cluster.head_node is not None:
+                cluster.remove_node(cluster.head_node, allow_graceful=False)
+            for process in family:
+                with suppress(psutil.NoSuchProcess):
+                    process.kill()
+            psutil.wait_procs(family, timeout=10)
 
 
 def env() -> dict[str, str]:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpusched.execution.childenv import local_tmp_root, read_mounts
+from gpusched.execution.childenv import RAY_WORKER_NICENESS, local_tmp_root, read_mounts
 from gpusched.execution.cluster import versions, watchdog
 from gpusched.execution.forkclient import ForkServer, ServerSpec, start_server
 from gpusched.execution.preload import auto_preload, fork_unavailable
@@ -55,7 +55,7 @@ POLL_WAIT = 1.0  # seconds a poll waits for events before it answers empty (the 
 # worker adds RAY_worker_niceness to its niceness at start). Ray merges this into the job's
 # runtime env, so the shipped working_dir stays. (Each file's environment has the variable
 # at 0 from ``child_env`` in any case, for the Ray workers the file starts itself.)
-AGENT_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+AGENT_RUNTIME_ENV = {"env_vars": {RAY_WORKER_NICENESS: "0"}}
 # Set by Ray in its worker processes; a child pytest must not think it is a Ray worker.
 _RAY_WORKER_VARIABLES = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_NODE_ID", "RAY_ADDRESS")
 
