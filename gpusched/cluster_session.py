@@ -40,7 +40,6 @@ from gpusched.execution.cluster.driver import (
     send_start,
     start_agents,
 )
-from gpusched.execution.cluster.reach import parse_address
 from gpusched.execution.forkclient import EarlyServer, ForkServer, new_run_id
 from gpusched.feed import Backlog, Feeder
 from gpusched.history import HISTORY_FILE, load_durations, observations, record_durations
@@ -50,6 +49,7 @@ from gpusched.reporting.report import ConsoleReporter, display_path, format_plac
 from gpusched.results import FileResult
 from gpusched.scheduling.cluster import cluster_requirement, simulate_cluster
 from gpusched.scheduling.packing import Job
+from rl_e2e.reach import parse_address
 
 RAY_LOG = "ray.log"  # under .gpusched/logs: what Ray itself printed on the driver
 T = TypeVar("T")

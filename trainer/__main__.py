@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_e2e import reach
+from rl_e2e.reach import ClusterError
 from trainer import DISTRIBUTION, __version__
 from trainer.cli_help import config_keys, format_keys, section_docs
 from trainer.config import Config, ConfigError, load_config, to_dict
@@ -52,6 +54,9 @@ def version_line() -> str:
     """What ``--version`` prints: the installed distribution's version, the same as gpusched's."""
     return f"trainer {__version__} ({DISTRIBUTION})"
 
+
+#: The variable that names a cluster to join (``ray job submit`` sets it for its driver).
+ADDRESS_VARIABLE = "RAY_ADDRESS"
 
 #: Where the end-of-run export (``trainer.export_final``) writes the policy, in the run directory.
 FINAL_MODEL_DIR = "final_model"
@@ -97,19 +102,28 @@ def run(cfg: Config) -> RunResult:
     """Train ``cfg`` and write the run's outputs: on the cluster ``RAY_ADDRESS`` names, else a fresh local one.
 
     ``ray job submit`` sets ``RAY_ADDRESS`` for its driver, so a submitted
-    ``python -m trainer`` joins the cluster it was submitted to.
+    ``python -m trainer`` joins the cluster it was submitted to. A cluster with
+    token authentication is joined with the token Ray's own clients would send
+    (``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names, or
+    ``~/.ray/auth_token``); where there is no cluster at the address, or it wants
+    a token that is missing or wrong, :class:`~rl_e2e.reach.ClusterError` says so
+    in one line before anything else starts.
     """
     import ray
 
+    # Joining a cluster: is one there, and does it want a token we have? One line if not,
+    # before anything slow, instead of Ray's retries (a line a second) and a traceback.
+    address = os.environ.get("RAY_ADDRESS")
+    target = reach.prepare(address, label=ADDRESS_VARIABLE) if address else None
     prepared = _prepare(cfg)  # bad input fails here, before Ray starts
     from rl_e2e.netguard import apply_loopback_guard
     from trainer.launch.runtime_env import get_runtime_env
 
     apply_loopback_guard()
     common = dict(runtime_env=get_runtime_env(), log_to_driver=False, logging_level="ERROR")
-    if os.environ.get("RAY_ADDRESS"):
+    if target is not None:
         # Submitted with `ray job submit` (or pointed at a cluster on purpose): join it.
-        ray.init(address=os.environ["RAY_ADDRESS"], **common)
+        _join(target, address, common)
     else:
         ray.init(
             # "local": a fresh cluster, never the one a `ray start` recorded in
@@ -123,9 +137,21 @@ def run(cfg: Config) -> RunResult:
             **common,
         )
     try:
-        return _train(prepared)
+        return _train(prepared, joined=target)
     finally:
         ray.shutdown()
+
+
+def _join(target: str, address: str, options: dict[str, Any]) -> None:
+    """``ray.init`` on the cluster ``reach.prepare`` checked; its late refusals as ClusterError."""
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    try:
+        ray.init(address=target, **options)
+    except (ConnectionError, AuthenticationError) as exc:  # it went away since the probe
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ClusterError(f"{reach.named(ADDRESS_VARIABLE, address)}: {first}") from None
 
 
 def run_on_cluster(cfg: Config, *, colocate: bool = True) -> RunResult:
@@ -197,8 +223,12 @@ def _prepare(cfg: Config) -> _Prepared:
     return prepared
 
 
-def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
-    """Start the worker groups on the running Ray, fit, write outputs, stop the groups."""
+def _train(p: _Prepared, *, colocate: bool = True, joined: str | None = None) -> RunResult:
+    """Start the worker groups on the running Ray, fit, write outputs, stop the groups.
+
+    ``joined``: the address of the cluster this run joined; a line then says
+    how many workers run on how many of its nodes.
+    """
     import ray
 
     from trainer.checkpoints import store as ckpt
@@ -214,10 +244,16 @@ def _train(p: _Prepared, *, colocate: bool = True) -> RunResult:
     try:
         groups = build_worker_groups(cfg, p.model_path, p.max_new_tokens, colocate=colocate)
         actor, critic = groups["actor"], groups.get("critic")
-        worker_pids = {
-            role: [info["pid"] for info in ray.get([h.info.remote() for h in g.hosts])]
-            for role, g in groups.items()
-        }
+        infos = {role: ray.get([h.info.remote() for h in g.hosts]) for role, g in groups.items()}
+        worker_pids = {role: [info["pid"] for info in found] for role, found in infos.items()}
+        if joined is not None:
+            nodes = {info["node_id"] for found in infos.values() for info in found}
+            pids = {pid for found in worker_pids.values() for pid in found}
+            print(
+                f"trainer: joined the Ray cluster at {joined}: {len(pids)} worker process(es) "
+                f"on {len(nodes)} node(s)",
+                flush=True,
+            )
         rollout = groups.get("rollout")
         actor.init_model()
         if critic is not None:
@@ -335,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except ClusterError as exc:  # RAY_ADDRESS names no cluster this process can join
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
     temp = (
         cfg.rollout.val_temperature if cfg.rollout.val_temperature >= 0 else cfg.rollout.temperature
     )

@@ -244,6 +244,10 @@ class TrainerConfig:
     num_workers: int = 0
     """Data-parallel workers (Ray actors, one CPU each, plus one GPU each on CUDA);
     0 means auto: every GPU of the Ray cluster on CUDA, 2 on CPU."""
+    nnodes: int = 1
+    """Nodes each training pool spreads over: num_workers / nnodes worker processes
+    on each of nnodes distinct nodes of the Ray cluster. More than 1 needs
+    num_workers set to a multiple of it."""
     colocate: str = "process"
     """How the critic shares the actor's workers: process (same processes and group),
     actor (own processes on the same bundles, each with a fraction of the CPU/GPU),
@@ -527,6 +531,12 @@ def validate(cfg: Config) -> None:
     _validate_multi_turn(cfg)
     _need(t.total_steps >= 1, f"trainer.total_steps={t.total_steps}: must be >= 1")
     _need(t.num_workers >= 0, f"trainer.num_workers={t.num_workers}: must be >= 0 (0 means auto)")
+    _need(t.nnodes >= 1, f"trainer.nnodes={t.nnodes}: must be >= 1")
+    _need(
+        t.nnodes == 1 or (t.num_workers > 0 and t.num_workers % t.nnodes == 0),
+        f"trainer.nnodes={t.nnodes}: trainer.num_workers={t.num_workers} must be a multiple "
+        "of it (the same number of workers on each node)",
+    )
     _need(
         t.ray_num_cpus == 0 or t.ray_num_cpus >= t.num_workers,
         f"trainer.ray_num_cpus={t.ray_num_cpus} < trainer.num_workers={t.num_workers}: "

@@ -240,6 +240,9 @@ def build_worker_groups(
     First settles the device and the worker count from the cluster
     (:func:`plan_on_cluster`).
 
+    Each training pool has ``trainer.num_workers / trainer.nnodes`` processes
+    on each of ``trainer.nnodes`` distinct nodes.
+
     ``trainer.colocate`` says where the critic (GAE only) lives:
     ``process`` (what ``python -m trainer`` does): one pool of
     ``trainer.num_workers`` processes; actor and critic share those processes
@@ -261,7 +264,9 @@ def build_worker_groups(
     plan_on_cluster(cfg, pools=pool_count(cfg, colocate))
 
     def pool() -> ResourcePool:
-        return ResourcePool([cfg.trainer.num_workers], use_gpu=cfg.trainer.use_gpu)
+        nodes = cfg.trainer.nnodes
+        per_node = [cfg.trainer.num_workers // nodes] * nodes
+        return ResourcePool(per_node, use_gpu=cfg.trainer.use_gpu)
 
     pools = {"train": pool()}
     roles = {"actor": "train"}

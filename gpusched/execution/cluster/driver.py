@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpusched.atomic import atomic_write
-from gpusched.execution.cluster import reach, versions
+from gpusched.execution.cluster import versions
 from gpusched.execution.cluster.agent import (
     AGENT_RUNTIME_ENV,
     AgentConfig,
@@ -50,13 +50,14 @@ from gpusched.execution.cluster.agent import (
     Note,
     Placed,
 )
-from gpusched.execution.cluster.reach import ClusterError
 from gpusched.execution.runner import Child, RevisesPending, log_name
 from gpusched.reporting.report import display_path
 from gpusched.requirements import Requirement, format_memory
 from gpusched.results import FAILING, FileResult, Outcome, TestResult
 from gpusched.scheduling.cluster import ClusterPolicy, Node, Placement, cluster_requirement
 from gpusched.scheduling.packing import Job, Unschedulable
+from rl_e2e import reach
+from rl_e2e.reach import ClusterError
 
 # Left out of what is shipped to the nodes, besides what .gitignore and the user exclude.
 DEFAULT_EXCLUDES = (".git", ".gpusched", "__pycache__", "*.pyc", ".venv", ".tox", ".nox")

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from conftest import gpusched, write_suite
-from gpusched.execution.cluster.reach import GcsAddress, parse_address
+from rl_e2e.reach import GcsAddress, parse_address
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,9 @@
-"""Before ``ray.init``: is there a Ray cluster at ``--ray ADDRESS``, and does it want a token?
+"""Before ``ray.init``: is there a Ray cluster at an address, and does it want a token?
+
+One implementation of "reach a cluster", shared by ``gpusched --ray ADDRESS``
+and ``python -m trainer`` under ``RAY_ADDRESS`` (a ``ray job submit`` driver
+included). Each caller names where the address came from (``label``: ``--ray``
+or ``RAY_ADDRESS``), and every message starts with it.
 
 ``ray.init`` with an explicit address never turns token authentication on by
 itself (only a bare ``ray.init()`` of a local cluster does, when it finds a
@@ -22,7 +27,9 @@ The cluster's answer wins over a ``RAY_AUTH_MODE`` already set here: that
 variable says which mode a cluster started from this shell gets; for joining
 one, only what the cluster wants matters.
 
-Ray (and its ``grpc``) is imported only inside the functions, under ``--ray``.
+Only the standard library is imported at module level: Ray (and its ``grpc``)
+only inside the functions, so gpusched imports this module without importing
+Ray.
 """
 
 from __future__ import annotations
@@ -60,20 +67,21 @@ class GcsAddress:
         return f"{host}:{self.port}"
 
 
-def parse_address(text: str) -> GcsAddress:
+def parse_address(text: str, label: str = "--ray") -> GcsAddress:
     """``HOST:PORT`` (``[V6]:PORT`` too) as a GcsAddress; ValueError naming what is wrong.
 
-    Pure. ``auto`` and ``ray://`` addresses are the caller's (see ``prepare``).
+    Pure. ``auto`` and ``ray://`` addresses are the caller's (see ``prepare``);
+    ``label`` is where the address came from, for the messages.
     """
     scheme, sep, rest = text.partition("://")
     if sep:
         if scheme.lower() in ("http", "https"):
             raise ValueError(
-                "is a web address (the dashboard's?); --ray takes the address of the "
+                f"is a web address (the dashboard's?); {label} takes the address of the "
                 "cluster's head as `ray start --head` prints it: HOST:PORT, port 6379 "
                 "by default"
             )
-        raise ValueError(f"has a scheme {scheme}:// that --ray does not know (HOST:PORT or auto)")
+        raise ValueError(f"has a scheme {scheme}:// that {label} does not know (HOST:PORT or auto)")
     host, colon, port = text.rpartition(":")
     if not colon and text.isdigit():
         raise ValueError("is a port without a host: HOST:PORT")
@@ -156,7 +164,13 @@ def set_auth_mode(token: bool) -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def resolve(address: str) -> str:
+def named(label: str, address: str) -> str:
+    """How messages name an address: ``--ray ADDRESS`` for an option, ``RAY_ADDRESS=ADDRESS``
+    for a variable."""
+    return f"{label} {address}" if label.startswith("-") else f"{label}={address}"
+
+
+def resolve(address: str, label: str = "--ray") -> str:
     """``auto``: ``RAY_ADDRESS``, else the cluster started on this machine (Ray's own lookup)."""
     if address != "auto":
         return address
@@ -167,37 +181,41 @@ def resolve(address: str) -> str:
     try:
         return canonicalize_bootstrap_address_or_die("auto")
     except (ConnectionError, ValueError) as exc:
-        raise ClusterError(f"--ray auto: {str(exc).split('. ')[0].rstrip('.')}") from None
+        raise ClusterError(
+            f"{named(label, 'auto')}: {str(exc).split('. ')[0].rstrip('.')}"
+        ) from None
 
 
-def prepare(address: str, timeout: float = PROBE_TIMEOUT) -> str:
-    """Check ``--ray ADDRESS`` and set this process's token mode; the address for ``ray.init``.
+def prepare(address: str, timeout: float = PROBE_TIMEOUT, *, label: str = "--ray") -> str:
+    """Check ``address`` and set this process's token mode; the address for ``ray.init``.
 
-    Raises ClusterError with one line (``--ray ADDRESS: why``) where there is
-    no cluster, where the address is not one, and where the cluster wants a
-    token that is not here or that it refuses. Called by the driver's
-    ``connect`` before ``ray.init``; ``ray://`` (Ray Client) addresses go to Ray
-    unchecked.
+    Raises ClusterError with one line (``LABEL ADDRESS: why``, ``label`` being
+    where the address came from) where there is no cluster, where the address
+    is not one, and where the cluster wants a token that is not here or that it
+    refuses; each answer takes at most two calls of ``timeout`` seconds. Called
+    before ``ray.init`` by gpusched's ``connect`` (``--ray``) and by
+    ``python -m trainer`` (``RAY_ADDRESS``); ``ray://`` (Ray Client) addresses
+    go to Ray unchecked.
     """
-    target = resolve(address)
-    shown = address if target == address else f"{address} ({target})"
+    target = resolve(address, label)
+    shown = named(label, address if target == address else f"{address} ({target})")
     if target.startswith("ray://"):
         return target
     try:
-        gcs = parse_address(target)
+        gcs = parse_address(target, label)
     except ValueError as exc:
-        raise ClusterError(f"--ray {shown}: {exc}") from None
+        raise ClusterError(f"{shown}: {exc}") from None
     try:
         socket.create_connection((gcs.host, gcs.port), timeout=timeout).close()
     except OSError as exc:
         raise ClusterError(
-            f"--ray {shown}: no Ray cluster answers at {gcs} ({exc.strerror or exc})"
+            f"{shown}: no Ray cluster answers at {gcs} ({exc.strerror or exc})"
         ) from None
     answer, detail = ask(gcs, None, timeout)
     if answer is Answer.NONE:
         raise ClusterError(
-            f"--ray {shown}: something listens at {gcs} but it is not a Ray cluster's head "
-            f"(gRPC: {detail}); --ray takes the address `ray start --head` prints, port 6379 "
+            f"{shown}: something listens at {gcs} but it is not a Ray cluster's head "
+            f"(gRPC: {detail}); {label} takes the address `ray start --head` prints, port 6379 "
             "by default"
         )
     if answer is Answer.OPEN:
@@ -206,19 +224,19 @@ def prepare(address: str, timeout: float = PROBE_TIMEOUT) -> str:
     try:
         token = local_token()
     except ValueError as exc:
-        raise ClusterError(f"--ray {shown}: the cluster wants a token: {exc}") from None
+        raise ClusterError(f"{shown}: the cluster wants a token: {exc}") from None
     if token is None:
         raise ClusterError(
-            f"--ray {shown}: the cluster wants a token (token authentication) and none "
+            f"{shown}: the cluster wants a token (token authentication) and none "
             f"was found here: {WHERE_TOKENS_GO}"
         )
     answer, detail = ask(gcs, token, timeout)
     if answer is Answer.WANTS_TOKEN:
         raise ClusterError(
-            f"--ray {shown}: the cluster refuses the token from {token_source()} "
+            f"{shown}: the cluster refuses the token from {token_source()} "
             f"(not this cluster's?): {WHERE_TOKENS_GO}"
         )
     if answer is Answer.NONE:
-        raise ClusterError(f"--ray {shown}: the cluster stopped answering ({detail})")
+        raise ClusterError(f"{shown}: the cluster stopped answering ({detail})")
     set_auth_mode(True)
     return str(gcs)
