@@ -174,8 +174,9 @@ def resolve(address: str, label: str = "--ray") -> str:
     """``auto``: ``RAY_ADDRESS``, else the cluster started on this machine (Ray's own lookup)."""
     if address != "auto":
         return address
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
+    named_here = os.environ.get("RAY_ADDRESS")
+    if named_here and named_here != "auto":  # RAY_ADDRESS=auto: Ray's lookup as well
+        return named_here
     from ray._private.services import canonicalize_bootstrap_address_or_die
 
     try:
