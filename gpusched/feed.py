@@ -24,6 +24,7 @@ collection begins).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -179,11 +180,13 @@ class Feeder:
         for file in files:
             if file.path in self.jobs:
                 continue
+            entry = self.history.get(history_key(file.path, self.rootdir))
             job = Job(
                 len(self.jobs),
                 file.path,
                 self.refit(file.requirement, file.levels),
                 self._expected(file),
+                entry.cpu if entry is not None else None,
             )
             self.jobs[file.path] = job
             self.entries[file.path] = file
@@ -243,7 +246,7 @@ class Feeder:
     def _revise(self, file: CollectedFile) -> None:
         """The final report saw this file differently from its streamed entry."""
         job = self.jobs[file.path]
-        revised = Job(job.id, job.path, self.refit(file.requirement, file.levels), job.expected)
+        revised = dataclasses.replace(job, requirement=self.refit(file.requirement, file.levels))
         expect = expectation(file.requirement, file.tests) if file.cached else None
         if self.runner.revise(revised, file.tests, expect):
             self.jobs[file.path] = revised

@@ -1,11 +1,12 @@
-"""Duration history: how long each test file took, learned from every run.
+"""Duration history: how long each test file took and the cores it used, learned from every run.
 
 The history lives in ``.gpusched/durations.json``::
 
     {
       "version": 1,
       "files": {
-        "tests/test_model.py": {"seconds": 12.4, "last": 12.9, "runs": 5},
+        "tests/test_model.py": {"seconds": 12.4, "last": 12.9, "runs": 5,
+                                "cpu": 1.32, "peak": 2.9},
         ...
       }
     }
@@ -16,6 +17,13 @@ the file's pytest subprocess (an exponential moving average of the runs,
 newest weighing ``WEIGHT``), ``last`` the latest run, ``runs`` how many runs were
 seen. Packing, ``plan`` and ``shard`` read ``seconds``; files the history does
 not know get the mean of those it knows.
+
+``cpu`` is the cores the file's whole process tree used on average (CPU
+seconds over wall seconds, Ray workers and ranks included), ``peak`` the most
+it used over one sampling interval; both moving averages like ``seconds``.
+Packing reads ``cpu`` (``gpusched.scheduling.packing.cpu_demand``). Both are
+optional: a file written before they were measured, or by a run that could not
+measure them, is read as it is, and each file gets them the next time it runs.
 
 Writers take an exclusive ``fcntl`` lock on ``durations.json.lock``, read,
 merge and replace the file atomically, so concurrent runs lose no entry and a
@@ -64,11 +72,23 @@ class HistoryError(ValueError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One file's record: expected seconds (moving average), the last run's seconds, run count."""
+    """One file's record: expected seconds (moving average), the last run's seconds, run count;
+    its mean and peak CPU use in cores (moving averages; None until it was measured)."""
 
     seconds: float
     last: float
     runs: int
+    cpu: float | None = None
+    peak: float | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one run saw of a file: its wall seconds, and its mean and peak cores if measured."""
+
+    seconds: float
+    cpu: float | None = None
+    peak: float | None = None
 
 
 History = dict[str, Entry]
@@ -106,37 +126,59 @@ def parse_history(text: str) -> History:
             _number(record.get("seconds"), f"entry {key!r}: seconds"),
             _number(record.get("last"), f"entry {key!r}: last"),
             runs,
+            *(
+                None
+                if record.get(name) is None
+                else _number(record[name], f"entry {key!r}: {name}")
+                for name in ("cpu", "peak")
+            ),
         )
     return history
 
 
 def dump_history(history: Mapping[str, Entry]) -> str:
-    """The file's text: sorted keys, times rounded to milliseconds."""
-    files = {
-        key: {
+    """The file's text: sorted keys, times and cores rounded to thousandths."""
+    files = {}
+    for key, entry in sorted(history.items()):
+        record: dict[str, float | int] = {
             "seconds": round(entry.seconds, 3),
             "last": round(entry.last, 3),
             "runs": entry.runs,
         }
-        for key, entry in sorted(history.items())
-    }
+        if entry.cpu is not None:
+            record["cpu"] = round(entry.cpu, 3)
+        if entry.peak is not None:
+            record["peak"] = round(entry.peak, 3)
+        files[key] = record
     return json.dumps({"version": VERSION, "files": files}, indent=2) + "\n"
 
 
-def merge(history: Mapping[str, Entry], observed: Mapping[str, float]) -> History:
-    """``history`` updated with one run's wall times (a new dict; the input is untouched).
+def _moved(old: float | None, new: float | None) -> float | None:
+    """A moving average ``old`` after one more value ``new`` (either may be missing)."""
+    if old is None or new is None:
+        return new if old is None else old
+    return WEIGHT * new + (1 - WEIGHT) * old
 
-    A file seen for the first time takes its observed time; a known file moves
-    towards it by ``WEIGHT``.
+
+def merge(history: Mapping[str, Entry], observed: Mapping[str, Observation]) -> History:
+    """``history`` updated with one run's observations (a new dict; the input is untouched).
+
+    A file seen for the first time takes its observed figures; a known file moves
+    towards them by ``WEIGHT``. A figure the run did not measure leaves the old
+    one as it was; one the history lacks (an older file) is taken as observed.
     """
     merged = dict(history)
-    for key, seconds in observed.items():
+    for key, seen in observed.items():
         old = merged.get(key)
         if old is None:
-            merged[key] = Entry(seconds, seconds, 1)
+            merged[key] = Entry(seen.seconds, seen.seconds, 1, seen.cpu, seen.peak)
         else:
             merged[key] = Entry(
-                WEIGHT * seconds + (1 - WEIGHT) * old.seconds, seconds, old.runs + 1
+                WEIGHT * seen.seconds + (1 - WEIGHT) * old.seconds,
+                seen.seconds,
+                old.runs + 1,
+                _moved(old.cpu, seen.cpu),
+                _moved(old.peak, seen.peak),
             )
     return merged
 
@@ -186,10 +228,19 @@ def expected_durations(history: Mapping[str, Entry], keys: Sequence[str]) -> dic
     return {key: history[key].seconds if key in history else fallback for key in keys}
 
 
-def observations(results: Iterable[FileResult], rootdir: str) -> dict[str, float]:
-    """The wall time of each file that ran to an end, keyed for the history."""
+def measured_cpu(history: Mapping[str, Entry], keys: Sequence[str]) -> dict[str, float | None]:
+    """Each key's mean CPU use in cores from the history; None where it was never measured.
+
+    No mean of the others stands in for a missing figure: the packing policy
+    has its own default for a file never measured (``cpu_demand``).
+    """
+    return {key: entry.cpu if (entry := history.get(key)) is not None else None for key in keys}
+
+
+def observations(results: Iterable[FileResult], rootdir: str) -> dict[str, Observation]:
+    """The wall time and CPU use of each file that ran to an end, keyed for the history."""
     return {
-        history_key(result.path, rootdir): result.duration
+        history_key(result.path, rootdir): Observation(result.duration, result.cpu, result.cpu_peak)
         for result in results
         if result.outcome in TIMED and result.end > result.start
     }
@@ -228,8 +279,8 @@ def load_durations(path: str | Path, seed: str | Path | None) -> tuple[History, 
     return with_seed(history, seeded), warning or seed_warning
 
 
-def record_durations(path: str | Path, observed: Mapping[str, float]) -> str | None:
-    """Merge one run's wall times into the history at ``path``; returns a warning or None.
+def record_durations(path: str | Path, observed: Mapping[str, Observation]) -> str | None:
+    """Merge one run's observations into the history at ``path``; returns a warning or None.
 
     Holds an exclusive lock on ``<path>.lock`` from read to replace, so runs that
     finish at the same time each add their files. A corrupt file is replaced by

@@ -174,7 +174,8 @@ OPTIONS: tuple[Option, ...] = (
         ("--cpu-slots",),
         _positive_int,
         os.cpu_count() or 1,
-        "CPU-only files run N at a time (default: the number of cores)",
+        "a node's CPU budget in cores: files, GPU files too, run at once while the CPU "
+        "use the history measured for them fits in N (default: the number of cores)",
         "N",
     ),
     Option(

@@ -124,6 +124,8 @@ class FileResult:
     attempts: int = 1
     swept: int = 0
     node: str = ""  # the cluster node that ran it (``--ray``); empty on one machine
+    cpu: float | None = None  # cores its process tree used on average; None: not measured
+    cpu_peak: float | None = None  # the most cores it used over one sampling interval
 
     @property
     def duration(self) -> float:

@@ -53,9 +53,11 @@ from gpusched.execution.runner import Child, RunConfig, Runner, start_early, sto
 from gpusched.feed import Feeder, error_result, skip_result
 from gpusched.history import (
     HISTORY_FILE,
+    Entry,
     expected_durations,
     history_key,
     load_durations,
+    measured_cpu,
     observations,
     record_durations,
 )
@@ -76,6 +78,7 @@ from gpusched.requirements import Requirement, format_memory
 from gpusched.results import FileResult, Outcome, Recollected, expectation
 from gpusched.scheduling import Job, largest_fitting, simulate
 from gpusched.scheduling.earlystart import early_picks
+from gpusched.scheduling.packing import UNMEASURED_CPU_FILE, UNMEASURED_GPU_FILE
 
 
 @dataclass
@@ -88,6 +91,7 @@ class Prepared:
     selection: list[str]
     warnings: list[str] = field(default_factory=list)
     known: int = 0  # files whose expected duration comes from the history
+    entries: dict[str, Entry] = field(default_factory=dict)  # path -> its history, if it has one
     expect: dict[str, str] = field(default_factory=dict)  # cached files: what their child checks
     cache: tuple[Path, str] | None = None  # the collection cache's path and context key
 
@@ -189,12 +193,14 @@ def prepare(
     history, warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
     keys = [history_key(entry.path, collection.rootdir) for entry in collection.files]
     expected = expected_durations(history, keys)
+    cpu = measured_cpu(history, keys)
     jobs = [
         Job(
             index,
             entry.path,
             runnable_requirement(entry.requirement, entry.levels, cards),
             expected[key],
+            cpu[key],
         )
         for index, (entry, key) in enumerate(zip(collection.files, keys, strict=True))
     ]
@@ -204,8 +210,21 @@ def prepare(
         for entry in collection.files
         if entry.cached
     }
+    entries = {
+        entry.path: history[key]
+        for entry, key in zip(collection.files, keys, strict=True)
+        if key in history
+    }
     return Prepared(
-        cards, collection, jobs, selection, [warning] if warning else [], known, expect, cache
+        cards,
+        collection,
+        jobs,
+        selection,
+        [warning] if warning else [],
+        known,
+        entries,
+        expect,
+        cache,
     )
 
 
@@ -651,14 +670,27 @@ def prepare_plan(
 
 
 def say_requirements(reporter: ConsoleReporter, prepared: Prepared, jobs: Sequence[Job]) -> None:
-    """``plan``'s table: each file, what it needs, its test count and expected seconds."""
-    reporter.say(f"{'file':<60} {'needs':<16} {'tests':>5} {'expected':>9}")
+    """``plan``'s table: each file, what it needs, its test count, expected seconds, and the
+    cores its process tree used on average and at peak (``-``: never measured)."""
+    reporter.say(f"{'file':<60} {'needs':<16} {'tests':>5} {'expected':>9} {'cpu':>5} {'peak':>5}")
     tests = {entry.path: len(entry.tests) for entry in prepared.collection.files}
     for job in jobs:
+        entry = prepared.entries.get(job.path)
+        peak = entry.peak if entry is not None else None
         reporter.say(
             f"{display_path(job.path):<60} {job.requirement.describe():<16} "
-            f"{tests[job.path]:>5} {job.expected:>8.1f}s"
+            f"{tests[job.path]:>5} {job.expected:>8.1f}s {_cores(job.cpu):>5} {_cores(peak):>5}"
         )
+    unmeasured = sum(1 for job in jobs if job.cpu is None)
+    if unmeasured:
+        reporter.say(
+            f"gpusched: CPU use of {unmeasured} of {len(jobs)} files never measured: each "
+            f"counts {UNMEASURED_CPU_FILE:g} core, a GPU file {UNMEASURED_GPU_FILE:g} beside its cards"
+        )
+
+
+def _cores(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def plan(

@@ -20,7 +20,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 
@@ -229,3 +230,198 @@ def kill_job(
             return report(tuple(sorted(proc.pid for proc in procs)))
         _signal_all(procs, pgid, signal.SIGKILL)
         _wait_exit(procs, _POLL)
+
+
+# ---- CPU use of running jobs -----------------------------------------------------------
+
+CPU_INTERVAL = 0.5  # seconds between two scans of the running jobs' process trees
+_SETTLED = 1.0  # a process this old has exec'd if it ever will: its environment is final
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """What a job's process tree used: ``seconds`` of CPU over ``wall`` seconds, and ``peak``,
+    the most cores it used over one sampling interval."""
+
+    seconds: float
+    wall: float
+    peak: float
+
+    @property
+    def mean(self) -> float:
+        """Cores used on average: CPU seconds over wall seconds."""
+        return self.seconds / self.wall if self.wall > 0 else 0.0
+
+
+def _cpu_total(times: Any) -> float:
+    # A process's own time and that of the children it has reaped (Linux's cutime/cstime).
+    return (
+        times.user
+        + times.system
+        + getattr(times, "children_user", 0.0)
+        + getattr(times, "children_system", 0.0)
+    )
+
+
+@dataclass
+class _Metered:
+    """One job the meter watches (see ``CpuMeter``)."""
+
+    root: int
+    tag: str | None
+    started: float
+    baseline: float  # what the root had used before it was watched (an early start)
+    seen: dict[tuple[int, float], tuple[int, float]] = field(default_factory=dict)
+    gone: float = 0.0  # CPU seconds of processes that ended without a parent of the job
+    last: tuple[float, float] | None = None  # (time, total) of the latest sample
+    peak: float = 0.0
+
+
+class CpuMeter:
+    """The CPU use of the process trees of running jobs, sampled in one scan for all of them.
+
+    A job's processes are the descendants of its root and every process that
+    carries its tag (Ray's workers and daemons leave the tree but keep the
+    environment), as for ``kill_job``. Each scan reads every process's CPU
+    times once; a job's total is the sum over its live processes (each with
+    the children it reaped) plus the last figure of those that ended with no
+    parent in the job to reap them. What a process used after the last scan
+    before it ended is not counted, so a job is measured only once a scan saw
+    it (``stop`` returns None for a job shorter than one interval).
+
+    ``watch`` and ``stop`` are called by the runner on its event loop; the
+    scans run in a thread of their own while a job is watched (``start``).
+    """
+
+    def __init__(
+        self, interval: float = CPU_INTERVAL, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._jobs: dict[object, _Metered] = {}
+        self._tags: dict[tuple[int, float], str | None] = {}  # settled processes' job tags
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # a job to watch, or closing
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Begin scanning in a daemon thread, every ``interval`` s while a job is watched."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gpusched-cpu", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the scanning thread (watched jobs are forgotten)."""
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def watch(self, key: object, root_pid: int, tag: str | None) -> None:
+        """Measure the job ``key`` from now on: the tree under ``root_pid``, and ``tag``'s processes."""
+        try:
+            baseline = _cpu_total(psutil.Process(root_pid).cpu_times())
+        except psutil.Error:
+            baseline = 0.0
+        with self._lock:
+            self._jobs[key] = _Metered(root_pid, tag, self._clock(), baseline)
+        self._wake.set()
+
+    def stop(self, key: object) -> CpuUse | None:
+        """The job's use from ``watch`` to its last scan; None if no scan saw it. Forgets it."""
+        with self._lock:
+            job = self._jobs.pop(key, None)
+        if job is None or job.last is None:
+            return None
+        when, total = job.last
+        return CpuUse(max(0.0, total - job.baseline), when - job.started, job.peak)
+
+    def sample(self) -> None:
+        """Scan every process once and update every watched job (blocking: the meter's thread)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        if not jobs:
+            return
+        now = self._clock()
+        table: dict[int, tuple[float, int, float]] = {}  # pid -> (create time, ppid, CPU total)
+        children: dict[int, list[int]] = {}
+        for proc in psutil.process_iter(["ppid", "create_time", "cpu_times"]):
+            info = proc.info
+            if info["cpu_times"] is None or info["create_time"] is None:
+                continue  # gone meanwhile, or not ours to read
+            table[proc.pid] = (info["create_time"], info["ppid"], _cpu_total(info["cpu_times"]))
+            children.setdefault(info["ppid"], []).append(proc.pid)
+        members = [self._members(job, table, children) for job in jobs]
+        tagged = {job.tag: found for job, found in zip(jobs, members, strict=True) if job.tag}
+        if tagged:
+            claimed = set().union(*members)
+            for pid, (created, _ppid, _total) in table.items():
+                if pid not in claimed:
+                    tag = self._tag_of(pid, created, now)
+                    if tag in tagged:
+                        tagged[tag].add(pid)
+        with self._lock:
+            for job, found in zip(jobs, members, strict=True):
+                _account(job, found, table, now)
+
+    def _members(
+        self,
+        job: _Metered,
+        table: dict[int, tuple[float, int, float]],
+        children: dict[int, list[int]],
+    ) -> set[int]:
+        found: set[int] = set()
+        if job.root in table and job.root != os.getpid():
+            stack = [job.root]
+            while stack:
+                pid = stack.pop()
+                if pid not in found:
+                    found.add(pid)
+                    stack.extend(children.get(pid, ()))
+        return found
+
+    def _tag_of(self, pid: int, created: float, now: float) -> str | None:
+        key = (pid, created)
+        if key in self._tags:
+            return self._tags[key]
+        try:
+            tag = psutil.Process(pid).environ().get(TAG_VARIABLE)
+        except psutil.Error:
+            tag = None
+        if time.time() - created > _SETTLED:  # a younger one may still exec another environment
+            self._tags[key] = tag
+        return tag
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                idle = not self._jobs
+            if idle:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            if self._closed.wait(self._interval):
+                return
+            self.sample()
+            if len(self._tags) > 100_000:
+                self._tags.clear()  # pids of long-gone processes
+
+
+def _account(
+    job: _Metered, found: set[int], table: dict[int, tuple[float, int, float]], now: float
+) -> None:
+    """Fold one scan's ``found`` processes of ``job`` into its total and peak."""
+    current = {(pid, table[pid][0]): (table[pid][1], table[pid][2]) for pid in found}
+    alive = {pid for pid, _created in current}
+    for key, (ppid, total) in job.seen.items():
+        if key not in current and ppid not in alive:
+            job.gone += total  # no parent of the job reaped it: its time is nowhere else
+    job.seen = current
+    total = job.gone + sum(cpu for _ppid, cpu in current.values())
+    if job.last is not None and now > job.last[0]:
+        job.peak = max(job.peak, (total - job.last[1]) / (now - job.last[0]))
+    elif job.last is None and now > job.started:
+        job.peak = max(0.0, total - job.baseline) / (now - job.started)
+    job.last = (now, total)

@@ -25,7 +25,7 @@ from typing import Protocol, TypeVar
 
 from gpusched.execution.childenv import PortPool, card_env, child_env, plugin_args
 from gpusched.execution.forkclient import ForkedProcess, ForkServer, ServerGone
-from gpusched.execution.proctree import KillReport, kill_job
+from gpusched.execution.proctree import CpuMeter, KillReport, kill_job
 from gpusched.execution.warmstart import GATE_VARIABLE, Gate, prestart_env
 from gpusched.requirements import Requirement
 from gpusched.results import (
@@ -330,6 +330,7 @@ class Runner(RevisesPending):
         self.warm: dict[int, asyncio.Task[Child]] = {}  # job id -> its pre-started child
         self.starting: set[int] = set()  # jobs whose child has not reached its gate yet
         self._cores = os.cpu_count() or 1
+        self.meter = CpuMeter()  # each file's process tree: its CPU use goes into its result
         self._tick_pending = False
         self.forkserver = forkserver
         self.forkserver_lost: str | None = None  # why files went back to fresh processes mid-run
@@ -356,6 +357,7 @@ class Runner(RevisesPending):
             attached = None  # the caller attached it (collection streams beside the runner)
         if attached is not None:
             attached.attach()
+        self.meter.start()
         try:
             await self._loop()
         except (asyncio.CancelledError, KeyboardInterrupt):
@@ -370,6 +372,7 @@ class Runner(RevisesPending):
             if beat is not None:
                 beat.cancel()
             await _finish_anyway(self._cool_down())
+            self.meter.close()
             if attached is not None:
                 attached.detach()
             for signum in installed:
@@ -715,6 +718,7 @@ class Runner(RevisesPending):
                 assert child.gate is not None
                 child.gate.open(card_env(cards))  # False: it already ended; its log says why
             proc = child.proc
+            self.meter.watch(job.id, proc.pid, child.tag)
             self.events.put_nowait(Started(job, cards, proc.pid, attempt))
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
@@ -776,6 +780,9 @@ class Runner(RevisesPending):
             else config.log_dir / log_name(job.path, config.rootdir)
         )
         result.cards, result.start, result.end = cards, start, self.clock() - self.t0
+        use = self.meter.stop(job.id)  # the tree is gone: its last scan is its whole use
+        if use is not None:
+            result.cpu, result.cpu_peak = use.mean, use.peak
         result.log, result.attempts = str(log_path), attempt
         if child is not None:
             if timed_out is None and not interrupted:

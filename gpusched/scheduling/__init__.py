@@ -11,6 +11,7 @@ from gpusched.scheduling.packing import (
     Packer,
     Policy,
     Unschedulable,
+    cpu_demand,
     largest_fitting,
 )
 from gpusched.scheduling.simulate import PlannedRun, simulate
@@ -23,6 +24,7 @@ __all__ = [
     "PlannedRun",
     "Policy",
     "Unschedulable",
+    "cpu_demand",
     "largest_fitting",
     "simulate",
 ]

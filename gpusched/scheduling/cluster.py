@@ -2,14 +2,16 @@
 
 The driver of a ``gpusched run --ray`` holds one ``ClusterPolicy``: one view of
 every node's cards, including nodes that join during the run (``add_node``). It keeps one ``Packer`` per node, so on each node the cards
-are chosen exactly as on one machine (best fit on memory, CPU slots, quarantine);
-the policy adds only the choice of the node. Its order is ``order.queue_order``'s:
-jobs needing a whole node first, then the longest expected, and on a first run
-(equal expectations) the width with the most pending jobs. Each job goes to the
-node where it fits with the least memory to spare, then to the node with the
-fewest free cards (so large holes stay open for large jobs); a CPU job goes to
-the node with the most free CPU slots. A job never spans nodes: a job needing
-more cards than any node has is ``Unschedulable`` with the reason.
+are chosen exactly as on one machine (best fit on memory, the node's own CPU
+budget, quarantine); the policy adds only the choice of the node. Its order is
+``order.queue_order``'s: jobs needing a whole node first, then the longest
+expected, and on a first run (equal expectations) the width with the most
+pending jobs. Each job goes to a node where its CPU use fits beside what runs
+there (it waits for a node whose budget is that large, unless none is; then it
+runs alone on any): the one where its cards fit with the least memory to spare, then the one
+with the fewest free cards (so large holes stay open for large jobs); a CPU job
+goes to the node with the most free cores. A job never spans nodes: a job
+needing more cards than any node has is ``Unschedulable`` with the reason.
 
 A node agent (``gpusched.execution.cluster.agent``) applies the decisions it is
 sent through ``PinnedPolicy``, the local runner's policy there: it starts each
@@ -34,6 +36,7 @@ from gpusched.scheduling.packing import (
     Packer,
     Unschedulable,
     able_cards,
+    cpu_demand,
     largest_fitting,
 )
 from gpusched.scheduling.simulate import replay
@@ -46,7 +49,7 @@ class Node:
     id: str
     name: str
     cards: tuple[Card, ...]
-    cpu_slots: int
+    cpu_slots: int  # the node's CPU budget, in cores (``packing.cpu_demand``)
 
 
 @dataclass(frozen=True)
@@ -155,13 +158,13 @@ class ClusterPolicy:
 
     def requeue(self, job: Job, quarantined: Iterable[str] = ()) -> None:
         """``job`` (placed, with the requirement its child found instead) ran no test: its
-        cards (but the ``quarantined`` ones) and slot are free, and it waits for the next
+        cards (but the ``quarantined`` ones) and cores are free, and it waits for the next
         ``schedule`` like any pending job, on whichever node fits it now."""
         self.complete(job.id, quarantined)
         self.submit([job])
 
     def complete(self, job_id: int, quarantined: Iterable[str] = ()) -> None:
-        """The job is over on its node: its cards (but the ``quarantined`` ones) and slot are free."""
+        """The job is over on its node: its cards (but the ``quarantined`` ones) and cores are free."""
         placement = self._running.pop(job_id)
         bad = set(quarantined)
         self._quarantined[placement.node] |= bad
@@ -212,20 +215,20 @@ class ClusterPolicy:
         }
         return [card for card in self._usable(node_id) if card.id not in busy]
 
-    def _cpu_free(self, node_id: str) -> int:
-        used = sum(1 for p in self._running.values() if p.node == node_id and not p.cards)
-        return self._nodes[node_id].cpu_slots - used
-
     def _choose(self, job: Job) -> str | None:
         """The node to start ``job`` on now, or None if it fits nowhere yet."""
         order = {node_id: i for i, node_id in enumerate(self._nodes)}
+        demand = cpu_demand(job, math.inf)
+        candidates = [n for n in self._nodes if self._packers[n].budget >= demand] or list(
+            self._nodes
+        )  # a job more than every node's budget runs alone on any node
+        roomy = [node_id for node_id in candidates if self._packers[node_id].cpu_fits(job)]
         if job.gpus == 0:
-            free = {node_id: self._cpu_free(node_id) for node_id in self._nodes}
-            open_nodes = [node_id for node_id, slots in free.items() if slots > 0]
-            return min(open_nodes, key=lambda n: (-free[n], order[n]), default=None)
+            free = {node_id: self._packers[node_id].cpu_free for node_id in roomy}
+            return min(roomy, key=lambda n: (-free[n], order[n]), default=None)
         best: tuple[float, int, int] | None = None
         chosen = None
-        for node_id in self._nodes:
+        for node_id in roomy:
             memory = job.requirement.memory
             able = [
                 card

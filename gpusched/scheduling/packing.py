@@ -1,10 +1,12 @@
-"""Greedy packing of test files onto cards: largest first, best fit on memory.
+"""Greedy packing of test files onto cards and cores: largest first, best fit on memory.
 
-Whenever cards free up, the policy starts the largest pending job that fits
-(most GPUs, then longest expected duration, then file order) on the free cards
-with the least sufficient memory, and repeats until nothing fits. CPU files run
-on CPU slots at the same time. A job that can never fit is handed back as
-``Unschedulable`` with the reason instead of being waited for.
+Whenever cards or cores free up, the policy starts the largest pending job that
+fits (most GPUs, then longest expected duration, then file order) on the free
+cards with the least sufficient memory, and repeats until nothing fits. A job
+also needs room for its CPU use in the node's CPU budget (``cpu_slots`` cores),
+GPU jobs included: ``cpu_demand`` says how many cores it counts. A job that can
+never fit is handed back as ``Unschedulable`` with the reason instead of being
+waited for.
 """
 
 from __future__ import annotations
@@ -17,24 +19,51 @@ from typing import Protocol
 from gpusched.inventory import Card
 from gpusched.requirements import Requirement, format_memory
 
+# What a job counts against the CPU budget, in cores (see ``cpu_demand``).
+UNMEASURED_CPU_FILE = 1.0  # a CPU file never measured: one core, what one pytest process takes
+UNMEASURED_GPU_FILE = 0.0  # a GPU file never measured: its cards bound it, as before measuring
+MIN_CPU = 0.1  # a measured file counts at least this much: at most 10 files per core
+_EPSILON = 1e-9  # demands are summed as floats: ten files of 0.1 must fit in one core
+
 
 @dataclass(frozen=True)
 class Job:
-    """One test file to run. ``id`` is its position in file order; ``expected`` is in seconds."""
+    """One test file to run. ``id`` is its position in file order; ``expected`` is in seconds.
+
+    ``cpu``: the cores its process tree used on average when it ran (from the
+    durations history); None if it was never measured.
+    """
 
     id: int
     path: str
     requirement: Requirement
     expected: float = 1.0
+    cpu: float | None = None
 
     @property
     def gpus(self) -> int:
         return self.requirement.gpus
 
 
+def cpu_demand(job: Job, budget: float) -> float:
+    """The cores ``job`` counts against a node's CPU budget while it runs.
+
+    Its measured mean use, at least ``MIN_CPU``; a job never measured counts
+    ``UNMEASURED_CPU_FILE`` (no GPU) or ``UNMEASURED_GPU_FILE`` (GPUs), so a
+    first run packs as gpusched did before it measured anything. Never more
+    than ``budget``: a file that alone needs more than the node has still
+    runs, alone.
+    """
+    if job.cpu is None:
+        demand = UNMEASURED_GPU_FILE if job.gpus else UNMEASURED_CPU_FILE
+    else:
+        demand = max(MIN_CPU, job.cpu)
+    return min(demand, budget)
+
+
 @dataclass(frozen=True)
 class Assignment:
-    """Start ``job`` now on ``cards`` (empty for a CPU job, which takes one CPU slot)."""
+    """Start ``job`` now on ``cards`` (empty for a CPU job); it holds its ``cpu_demand`` too."""
 
     job: Job
     cards: tuple[Card, ...]
@@ -73,7 +102,7 @@ class Policy(Protocol):
         ...
 
     def release_cpu(self, count: int = 1) -> None:
-        """Give back CPU slots held for early starts that will not be adopted, or for the collection."""
+        """Give back cores held for early starts that will not be adopted, or for the collection."""
         ...
 
     @property
@@ -108,7 +137,11 @@ def largest_fitting(levels: Iterable[Requirement], cards: Sequence[Card]) -> Req
 
 
 class Packer:
-    """The default policy. Called by the runner only; every method is O(jobs x cards)."""
+    """The default policy. Called by the runner only; every method is O(jobs x cards).
+
+    ``cpu_slots`` is the node's CPU budget in cores: the jobs running at once
+    never count more than that (``cpu_demand``), but for one job alone.
+    """
 
     def __init__(self, cards: Sequence[Card], cpu_slots: int) -> None:
         if cpu_slots < 1:
@@ -116,10 +149,11 @@ class Packer:
         self._order = {card.id: i for i, card in enumerate(cards)}
         self._usable: dict[str, Card] = {card.id: card for card in cards}
         self._free: dict[str, Card] = dict(self._usable)
-        self._cpu_free = cpu_slots
-        self._reserved = 0  # slots of early starts not adopted yet
+        self._budget = float(cpu_slots)
+        self._reserved = 0  # cores of early starts not adopted yet, and of the collection
         self._pending: list[Job] = []
         self._running: dict[int, Assignment] = {}
+        self._demand: dict[int, float] = {}  # running job id -> the cores it counts
 
     @property
     def has_pending(self) -> bool:
@@ -128,6 +162,20 @@ class Packer:
     @property
     def running(self) -> dict[int, Assignment]:
         return dict(self._running)
+
+    @property
+    def budget(self) -> float:
+        """The node's CPU budget in cores."""
+        return self._budget
+
+    @property
+    def cpu_free(self) -> float:
+        """Cores of the budget that no running job or reservation counts now."""
+        return self._budget - self._reserved - sum(self._demand.values())
+
+    def cpu_fits(self, job: Job) -> bool:
+        """Whether ``job``'s CPU use fits beside what runs now (its cards aside)."""
+        return cpu_demand(job, self._budget) <= self.cpu_free + _EPSILON
 
     def submit(self, jobs: Iterable[Job]) -> None:
         self._pending.extend(jobs)
@@ -142,54 +190,54 @@ class Packer:
             if reason:
                 decisions.append(Unschedulable(job, reason))
                 continue
-            cards = self._best_fit(job)
+            cards = self._best_fit(job) if self.cpu_fits(job) else None
             if cards is None:
                 still_pending.append(job)
                 continue
-            if job.gpus == 0:
-                self._cpu_free -= 1
-            for card in cards:
-                del self._free[card.id]
-            assignment = Assignment(job, cards)
-            self._running[job.id] = assignment
-            decisions.append(assignment)
+            decisions.append(self._hold(Assignment(job, cards)))
         self._pending = still_pending
         return decisions
 
     def complete(self, job_id: int, quarantined: Iterable[str] = ()) -> None:
-        """Called by the runner once no process of the job remains: its cards and slot are free.
+        """Called by the runner once no process of the job remains: its cards and cores are free.
 
         Cards in ``quarantined`` did not come back (memory still held) and are
         never handed out again in this run.
         """
         assignment = self._running.pop(job_id)
+        del self._demand[job_id]
         bad = set(quarantined)
         for card_id in bad:
             self._usable.pop(card_id, None)
         for card in assignment.cards:
             if card.id not in bad:
                 self._free[card.id] = card
-        if not assignment.cards:
-            self._cpu_free += 1
 
     def reserve_cpu(self, count: int) -> None:
-        """Hold ``count`` CPU slots for files already running outside the policy (early starts)."""
-        self._cpu_free -= count
+        """Hold ``count`` cores for files already running outside the policy (early starts)."""
         self._reserved += count
 
     def release_cpu(self, count: int = 1) -> None:
-        """Give back reserved slots (an early start never adopted, the collection done)."""
-        count = min(count, self._reserved)
-        self._reserved -= count
-        self._cpu_free += count
+        """Give back reserved cores (an early start never adopted, the collection done)."""
+        self._reserved -= min(count, self._reserved)
 
     def adopt(self, job: Job) -> Assignment:
-        """Count a CPU job that already runs (on a reserved slot) as running; ``complete`` frees it."""
+        """Count a CPU job that already runs (on a reserved core) as running; ``complete`` frees it.
+
+        From then on it counts its own ``cpu_demand`` instead of the reserved core.
+        """
         if job.gpus or not self._reserved:
             raise ValueError(f"job {job.id} ({job.path}): only a CPU job on a reserved slot")
         self._reserved -= 1
-        assignment = Assignment(job, ())
+        return self._hold(Assignment(job, ()))
+
+    def _hold(self, assignment: Assignment) -> Assignment:
+        """Count ``assignment``'s cards and cores as taken until ``complete``."""
+        job = assignment.job
+        for card in assignment.cards:
+            del self._free[card.id]
         self._running[job.id] = assignment
+        self._demand[job.id] = cpu_demand(job, self._budget)
         return assignment
 
     def withdraw(self, job_id: int) -> Job | None:
@@ -205,8 +253,8 @@ class Packer:
         When cards free up, the job that gets them is the head of the queue of
         some GPU count (the first fitting job in priority order). So the heads
         of every count's queue come first, largest count first, then the
-        second of each, and so on. CPU jobs are left out: their slot is a core,
-        which a warm start would only take from the file running on it.
+        second of each, and so on. CPU jobs are left out: they wait for cores,
+        which a warm start would only take from the files running on them.
         """
         queues: dict[int, list[Job]] = {}
         for job in self._pending:  # priority order: more GPUs first
@@ -241,7 +289,7 @@ class Packer:
 
     def _best_fit(self, job: Job) -> tuple[Card, ...] | None:
         if job.gpus == 0:
-            return () if self._cpu_free > 0 else None
+            return ()
         memory = job.requirement.memory
         candidates = [card for card in self._free.values() if _fits(card, memory)]
         if len(candidates) < job.gpus:

@@ -16,11 +16,13 @@ from gpusched.history import (
     DEFAULT_SECONDS,
     Entry,
     HistoryError,
+    Observation,
     combine,
     dump_history,
     expected_durations,
     history_key,
     load_history,
+    measured_cpu,
     merge,
     observations,
     parse_history,
@@ -40,15 +42,58 @@ def test_dump_then_parse_gives_the_same_entries():
 
 def test_merge_takes_a_new_file_as_is_and_moves_a_known_one_halfway():
     history = {"a.py": Entry(10.0, 10.0, 3)}
-    merged = merge(history, {"a.py": 4.0, "b.py": 2.0})
+    merged = merge(history, {"a.py": Observation(4.0), "b.py": Observation(2.0)})
     assert merged == {"a.py": Entry(7.0, 4.0, 4), "b.py": Entry(2.0, 2.0, 1)}
     assert history == {"a.py": Entry(10.0, 10.0, 3)}  # input untouched
 
 
+def test_cpu_figures_are_taken_then_moved_like_the_seconds():
+    history = {"a.py": Entry(10.0, 10.0, 3, cpu=2.0, peak=4.0)}
+    merged = merge(
+        history, {"a.py": Observation(4.0, 1.0, 2.0), "b.py": Observation(2.0, 0.5, 1.5)}
+    )
+    assert merged["a.py"] == Entry(7.0, 4.0, 4, cpu=1.5, peak=3.0)
+    assert merged["b.py"] == Entry(2.0, 2.0, 1, cpu=0.5, peak=1.5)
+
+
+def test_a_run_that_did_not_measure_cpu_keeps_the_old_figures():
+    history = {"a.py": Entry(10.0, 10.0, 3, cpu=2.0, peak=4.0)}
+    assert merge(history, {"a.py": Observation(4.0)})["a.py"] == Entry(7.0, 4.0, 4, 2.0, 4.0)
+
+
+def test_an_old_history_without_cpu_is_read_and_filled_in_as_files_run(tmp_path):
+    path = tmp_path / "durations.json"
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "files": {
+                    "a.py": {"seconds": 4.0, "last": 4.0, "runs": 2},
+                    "b.py": {"seconds": 6.0, "last": 6.0, "runs": 1},
+                },
+            }
+        ),
+        encoding="utf-8",
+    )
+    history, warning = load_history(path)
+    assert warning is None
+    assert history == {"a.py": Entry(4.0, 4.0, 2), "b.py": Entry(6.0, 6.0, 1)}
+    assert measured_cpu(history, ["a.py", "b.py", "new.py"]) == {
+        "a.py": None,
+        "b.py": None,
+        "new.py": None,
+    }
+    assert record_durations(path, {"a.py": Observation(2.0, 1.5, 2.5)}) is None
+    files = json.loads(path.read_text(encoding="utf-8"))["files"]
+    assert files["a.py"] == {"seconds": 3.0, "last": 2.0, "runs": 3, "cpu": 1.5, "peak": 2.5}
+    assert files["b.py"] == {"seconds": 6.0, "last": 6.0, "runs": 1}  # not run: no figure yet
+    assert measured_cpu(parse_history(path.read_text(encoding="utf-8")), ["a.py"]) == {"a.py": 1.5}
+
+
 def test_combine_keeps_for_each_file_the_copy_that_saw_most_runs():
     base = {"a.py": Entry(1.0, 1.0, 1), "b.py": Entry(2.0, 2.0, 1)}
-    shard1 = merge(base, {"a.py": 3.0})
-    shard2 = merge(base, {"b.py": 6.0, "c.py": 5.0})
+    shard1 = merge(base, {"a.py": Observation(3.0)})
+    shard2 = merge(base, {"b.py": Observation(6.0), "c.py": Observation(5.0)})
     combined = combine([shard1, shard2])
     assert combined == {"a.py": shard1["a.py"], "b.py": shard2["b.py"], "c.py": shard2["c.py"]}
 
@@ -77,10 +122,11 @@ def test_observations_keep_files_that_ran_to_an_end(tmp_path):
         result("notrun.py", Outcome.NOT_RUN, 0.0, 0.0),
         result("skipped.py", Outcome.SKIPPED, 0.0, 0.0),
     ]
+    results[0].cpu, results[0].cpu_peak = 1.25, 3.0
     assert observations(results, str(tmp_path)) == {
-        "pass.py": 2.0,
-        "fail.py": 3.5,
-        "timeout.py": 2.0,
+        "pass.py": Observation(2.0, 1.25, 3.0),
+        "fail.py": Observation(3.5),
+        "timeout.py": Observation(2.0),
     }
 
 
@@ -110,6 +156,14 @@ def test_history_key_is_relative_to_rootdir_and_absolute_outside(tmp_path):
             '{"version": 1, "files": {"a.py": {"seconds": 1, "last": 1, "runs": 0}}}',
             "entry 'a.py': runs is 0",
         ),
+        (
+            '{"version": 1, "files": {"a.py": {"seconds": 1, "last": 1, "runs": 1, "cpu": "x"}}}',
+            "entry 'a.py': cpu is 'x', not a number",
+        ),
+        (
+            '{"version": 1, "files": {"a.py": {"seconds": 1, "last": 1, "runs": 1, "peak": -2}}}',
+            "entry 'a.py': peak is -2",
+        ),
     ],
 )
 def test_a_malformed_file_is_an_error_that_says_what_is_wrong(text, complaint):
@@ -128,7 +182,7 @@ def test_a_corrupt_file_is_reported_and_replaced(tmp_path):
     history, warning = load_history(path)
     assert history == {}
     assert str(path) in warning and "corrupt" in warning and "not valid JSON" in warning
-    warning = record_durations(path, {"b.py": 1.5})
+    warning = record_durations(path, {"b.py": Observation(1.5)})
     assert "corrupt" in warning
     assert parse_history(path.read_text(encoding="utf-8")) == {"b.py": Entry(1.5, 1.5, 1)}
     assert sorted(p.name for p in path.parent.iterdir()) == [
@@ -139,7 +193,9 @@ def test_a_corrupt_file_is_reported_and_replaced(tmp_path):
 
 def _writer(path: str, worker: int, rounds: int) -> None:
     for n in range(rounds):
-        record_durations(path, {f"w{worker}_{n}.py": float(n), "shared.py": 1.0})
+        record_durations(
+            path, {f"w{worker}_{n}.py": Observation(float(n)), "shared.py": Observation(1.0)}
+        )
 
 
 def test_concurrent_writers_lose_no_entry(tmp_path):
@@ -163,8 +219,8 @@ def test_concurrent_writers_lose_no_entry(tmp_path):
 def test_merge_command_joins_shard_histories(tmp_path):
     base = {"a.py": Entry(1.0, 1.0, 1), "b.py": Entry(1.0, 1.0, 1)}
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    one.write_text(dump_history(merge(base, {"a.py": 5.0})), encoding="utf-8")
-    two.write_text(dump_history(merge(base, {"b.py": 9.0})), encoding="utf-8")
+    one.write_text(dump_history(merge(base, {"a.py": Observation(5.0)})), encoding="utf-8")
+    two.write_text(dump_history(merge(base, {"b.py": Observation(9.0)})), encoding="utf-8")
     out = tmp_path / "out" / "durations.json"
     done = subprocess.run(
         [sys.executable, "-m", "gpusched.history", "merge", "-o", str(out), str(one), str(two)],

@@ -1,7 +1,9 @@
-"""``plan`` and ``run`` use the duration history: expected times, packing order, predicted makespan."""
+"""``plan`` and ``run`` use the duration history: expected times, CPU use, packing order,
+predicted makespan."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -41,7 +43,7 @@ def gpusched(root, *args: str) -> subprocess.CompletedProcess:
 
 
 def expected_column(output: str) -> dict[str, float]:
-    found = re.findall(r"^(test_\w+\.py)\s.*\s([\d.]+)s$", output, re.MULTILINE)
+    found = re.findall(r"^(test_\w+\.py)\s.*\s([\d.]+)s\s+\S+\s+\S+$", output, re.MULTILINE)
     return {name: float(seconds) for name, seconds in found}
 
 
@@ -110,3 +112,43 @@ def test_run_packs_longest_expected_first_and_records_every_file(suite):
     )
     again = gpusched(suite, "plan")
     assert "expected durations of 4 of 4 files" in again.stdout
+
+
+def cpu_columns(output: str) -> dict[str, tuple[str, str]]:
+    """``plan``'s cpu and peak columns by file (``-``: never measured)."""
+    found = re.findall(r"^(test_\w+\.py)\s.*\s[\d.]+s\s+(\S+)\s+(\S+)$", output, re.MULTILINE)
+    return {name: (cpu, peak) for name, cpu, peak in found}
+
+
+def test_run_measures_each_files_cpu_and_plan_shows_it(tmp_path):
+    """An old history without CPU figures is read; the run fills them in from psutil."""
+    (tmp_path / "test_burn.py").write_text(
+        "import time\n\ndef test_burn():\n    while time.process_time() < 1.5:\n        pass\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "test_rest.py").write_text(
+        "import time\n\ndef test_rest():\n    time.sleep(1.5)\n", encoding="utf-8"
+    )
+    (tmp_path / ".gpusched").mkdir()
+    old = {
+        name: {"seconds": 2.0, "last": 2.0, "runs": 1} for name in ("test_burn.py", "test_rest.py")
+    }
+    write_history(tmp_path, json.dumps({"version": 1, "files": old}))
+    before = gpusched(tmp_path, "plan")
+    assert before.returncode == 0, before.stdout + before.stderr
+    assert cpu_columns(before.stdout) == {"test_burn.py": ("-", "-"), "test_rest.py": ("-", "-")}
+    assert "CPU use of 2 of 2 files never measured" in before.stdout
+    done = gpusched(tmp_path, "run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    history, warning = load_history(tmp_path / ".gpusched" / "durations.json")
+    assert warning is None
+    burn, rest = history["test_burn.py"], history["test_rest.py"]
+    assert burn.runs == rest.runs == 2
+    assert burn.cpu is not None and rest.cpu is not None
+    assert burn.cpu > rest.cpu  # the same wall time: one burnt its CPU, one slept
+    assert burn.peak is not None and burn.peak >= burn.cpu
+    after = gpusched(tmp_path, "plan")
+    shown = cpu_columns(after.stdout)
+    assert shown["test_burn.py"] == (f"{burn.cpu:.2f}", f"{burn.peak:.2f}")
+    assert shown["test_rest.py"][0] == f"{rest.cpu:.2f}"
+    assert "never measured" not in after.stdout
