@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from unittest import mock
 
 import pytest
 
@@ -84,14 +85,21 @@ def test_empty_value_counts_as_missing():
     }
 
 
-def test_defaults_to_os_environ(monkeypatch):
-    for name in GUARD_VALUES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "keep")
-    probe = CountingProbe(reachable=False)
-    apply_loopback_guard(probe=probe)
-    assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "keep"
+def test_defaults_to_os_environ():
+    """The guard writes into this process's environment: every variable it sets is taken out
+    again after the test (``monkeypatch.delenv`` of an absent name would restore nothing, and
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` would stop every later ``ray start --address``
+    in this process)."""
+    before = dict(os.environ)
+    with mock.patch.dict(os.environ):
+        for name in GUARD_VALUES:
+            os.environ.pop(name, None)
+        os.environ["GLOO_SOCKET_IFNAME"] = "keep"
+        apply_loopback_guard(probe=CountingProbe(reachable=False))
+        assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "keep"
+        assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert dict(os.environ) == before
 
 
 def test_outbound_ip_is_an_ipv4_address_or_none():
