@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,9 +24,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpusched import EXIT_FAILED, EXIT_OK, EXIT_USAGE, STATE_DIR, session
-from gpusched.atomic import atomic_write
 from gpusched.collection.collect import Collection, CollectionFailed
 from gpusched.collection.stream import POLL, collect_streaming
+from gpusched.coverage.request import coverage_requested
+from gpusched.ending import RunEnd, end_run, finish
 from gpusched.execution.cluster.agent import AgentConfig
 from gpusched.execution.cluster.driver import (
     Agent,
@@ -42,7 +45,7 @@ from gpusched.execution.cluster.driver import (
 )
 from gpusched.execution.forkclient import EarlyServer, ForkServer, new_run_id
 from gpusched.feed import Backlog, Feeder
-from gpusched.history import HISTORY_FILE, load_durations, observations, record_durations
+from gpusched.history import HISTORY_FILE, load_durations
 from gpusched.inventory import Card
 from gpusched.options import UsageError, check_paths
 from gpusched.reporting.report import ConsoleReporter, display_path, format_place
@@ -129,7 +132,7 @@ def run(
         raise UsageError(str(exc)) from None
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted before the run started")
-        return session.finish([], True, [], settings, reporter)
+        return finish(RunEnd([], [], ".", interrupted=True), settings, reporter)
 
 
 @contextlib.contextmanager
@@ -228,14 +231,37 @@ def _run(
     selection = session.selection_args(settings)
     args = [*selection, *pytest_args]
     cache = session.collection_cache(paths, settings, args)
+    measures = coverage_requested(paths, pytest_args, os.environ, Path.cwd())
     history, warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
     if warning:
         reporter.say(f"gpusched: warning: {warning}")
-    ran = asyncio.run(
-        _collect_and_run(
-            paths, args, settings, pytest_args, reporter, server, cache, history, run_id
+    with tempfile.TemporaryDirectory(prefix="gpusched-coverage-") as folder:
+        coverage = Path(folder) if measures else None
+        ran = asyncio.run(
+            _collect_and_run(
+                paths,
+                args,
+                settings,
+                pytest_args,
+                reporter,
+                server,
+                cache,
+                history,
+                run_id,
+                coverage,
+            )  # fmt: skip
         )
-    )
+        return _end(ran, settings, reporter, cache, coverage)
+
+
+def _end(
+    ran: _Ran,
+    settings: dict[str, Any],
+    reporter: ConsoleReporter,
+    cache: tuple[Path, str] | None,
+    coverage: Path | None,
+) -> int:
+    """The cluster run's own bookkeeping, then the end every run shares (``end_run``)."""
     collection, failure, feeder, cluster_run = ran.collection, ran.failure, ran.feeder, ran.run
     if failure is not None and cluster_run is None:  # the collection failed before any node
         if failure.exit_code == EXIT_USAGE:
@@ -252,31 +278,25 @@ def _run(
         session.forget_collected(cache[0], sorted(cluster_run.recollected), rootdir)
     if collection is not None and not results and failure is None:
         reporter.say("gpusched: no tests collected")
-    warning = record_durations(STATE_DIR / HISTORY_FILE, observations(report.results, rootdir))
-    if warning:
-        reporter.say(f"gpusched: warning: {warning}")
     nodes = {
         agent.name: [card.id for card in agent.info.cards]
         for agent in cluster_run.agents.values()  # with the nodes that joined
     }
-    if settings.get("timeline"):
-        from gpusched.reporting.timeline import timeline_html
-
-        atomic_write(settings["timeline"], timeline_html(results, nodes=nodes))
-    for name, why in report.lost:
-        reporter.say(f"gpusched: node {name} was lost: {why}")
-    if failure is not None:
-        if failure.exit_code == EXIT_USAGE and not report.results:
-            raise UsageError(str(failure)) from None
-        reporter.say(f"gpusched: {failure}")
-        if not results:
-            return failure.exit_code
-        session.finish(results, report.interrupted, report.quarantined, settings, reporter, nodes)
-        return failure.exit_code
-    if report.interrupted and collection is None:
-        reporter.say("gpusched: interrupted during collection")
-    return session.finish(
-        results, report.interrupted, report.quarantined, settings, reporter, nodes
+    return end_run(
+        RunEnd(
+            results,
+            report.results,
+            rootdir,
+            report.interrupted,
+            report.quarantined,
+            failure,
+            collected=collection is not None,
+            nodes=nodes,
+            lost=report.lost,
+            coverage=coverage,
+        ),
+        settings,
+        reporter,
     )
 
 
@@ -290,6 +310,7 @@ async def _collect_and_run(
     cache: tuple[Path, str] | None,
     history: dict[str, Any],
     run_id: str,
+    coverage: Path | None = None,
 ) -> _Ran:
     """Collection (streaming, from the collection cache where it can) beside the cluster's
     start; then beside the run, which takes each file as soon as both are there.
@@ -303,7 +324,12 @@ async def _collect_and_run(
     try:
         collecting = asyncio.create_task(
             collect_streaming(
-                paths, args, settings["collect_timeout"], backlog.on_event, server, cache
+                paths,
+                [*args, *session.collection_no_cov(coverage is not None)],
+                settings["collect_timeout"],
+                backlog.on_event,
+                server,
+                cache,
             )
         )
         try:
@@ -312,7 +338,7 @@ async def _collect_and_run(
                 exc = collecting.exception()
                 assert isinstance(exc, CollectionFailed), exc
                 return _Ran(failure=exc)
-            config = agent_config(settings, pytest_args, paths, run_id)
+            config = agent_config(settings, pytest_args, paths, run_id, coverage is not None)
             cluster = await in_thread(
                 functools.partial(start_cluster, Path(root), settings, config)
             )
@@ -322,7 +348,7 @@ async def _collect_and_run(
                 await collecting
             raise
         return await _run_cluster(
-            cluster, Path(root), collecting, backlog, settings, config, reporter, history
+            cluster, Path(root), collecting, backlog, settings, config, reporter, history, coverage
         )
     finally:
         if server is not None:
@@ -330,7 +356,11 @@ async def _collect_and_run(
 
 
 def agent_config(
-    settings: dict[str, Any], pytest_args: Sequence[str], paths: Sequence[str], run_id: str
+    settings: dict[str, Any],
+    pytest_args: Sequence[str],
+    paths: Sequence[str],
+    run_id: str,
+    coverage: bool = False,
 ) -> AgentConfig:
     """How every node runs its files; its ``t0`` (now) is when every node's times count from."""
     return AgentConfig(
@@ -346,6 +376,7 @@ def agent_config(
         server_timeout=settings["collect_timeout"],
         gpu_release_timeout=settings["gpu_release_timeout"],
         gpu_release_memory=settings["gpu_release_memory"],
+        coverage=coverage,
     )
 
 
@@ -370,6 +401,7 @@ async def _run_cluster(
     config: AgentConfig,
     reporter: ConsoleReporter,
     history: dict[str, Any],
+    coverage: Path | None = None,
 ) -> _Ran:
     agents = cluster.agents
     for line in describe_holdings(agents):
@@ -391,6 +423,7 @@ async def _run_cluster(
         heartbeat=None if live is not None else settings["heartbeat"],
         cpu_slots=settings["cpu_slots"],
         open_input=True,
+        coverage=coverage,
     )
     feeder = Feeder(
         cluster_run,

@@ -42,6 +42,7 @@ from gpusched.collection.cache import (
     load_cache,
     relative_key,
 )
+from gpusched.coverage import COVERAGE_DIR_VARIABLE
 from gpusched.execution.warmstart import wait_at_gate
 from gpusched.inventory import visible_gpu_count
 from gpusched.reporting.junit import (
@@ -237,6 +238,10 @@ def pytest_configure(config: pytest.Config) -> None:
         state.stream = open(stream, "a", encoding="utf-8")  # noqa: SIM115 - closed at unconfigure
     config.stash[STATE] = state
     config.pluginmanager.register(_SessionHooks(config), "gpusched-session")
+    if os.environ.get(COVERAGE_DIR_VARIABLE):
+        from gpusched.coverage.child import adopt
+
+        adopt(config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

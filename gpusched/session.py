@@ -21,12 +21,10 @@ from typing import Any
 from gpusched import (
     EXIT_EMPTY,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     STATE_DIR,
 )
-from gpusched.atomic import atomic_write
 from gpusched.collection.cache import (
     CACHE_FILE,
     CachedFile,
@@ -38,6 +36,8 @@ from gpusched.collection.cache import (
 )
 from gpusched.collection.collect import Collection, CollectionFailed, collect
 from gpusched.collection.stream import collect_streaming
+from gpusched.coverage.request import coverage_requested
+from gpusched.ending import RunEnd, end_run, finish
 from gpusched.execution.childenv import PortPool, local_tmp_root, read_mounts
 from gpusched.execution.forkclient import (
     EarlyServer,
@@ -58,24 +58,16 @@ from gpusched.history import (
     history_key,
     load_durations,
     measured_cpu,
-    observations,
-    record_durations,
 )
 from gpusched.inventory import Card, InventoryError, discover, parse_simulate_spec
 from gpusched.options import UsageError, check_paths
 from gpusched.reporting.report import (
     ConsoleReporter,
     display_path,
-    failing,
-    failure_lines,
     format_cards,
-    json_report,
-    junit_xml,
-    log_tail,
-    summary_lines,
 )
 from gpusched.requirements import Requirement, format_memory
-from gpusched.results import FileResult, Outcome, Recollected, expectation
+from gpusched.results import FileResult, Recollected, expectation
 from gpusched.scheduling import Job, largest_fitting, simulate
 from gpusched.scheduling.earlystart import early_picks
 from gpusched.scheduling.packing import UNMEASURED_CPU_FILE, UNMEASURED_GPU_FILE
@@ -187,7 +179,10 @@ def prepare(
     selection = selection_args(settings)
     args = [*selection, *pytest_args]
     cache = collection_cache(paths, settings, args)
-    collection = collect(paths, args, settings["collect_timeout"], server, cache)
+    measures = coverage_requested(paths, pytest_args, os.environ, Path.cwd())
+    collection = collect(
+        paths, [*args, *collection_no_cov(measures)], settings["collect_timeout"], server, cache
+    )
     if cache is not None:
         remember_collection(cache[0], collection)
     history, warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
@@ -228,6 +223,12 @@ def prepare(
     )
 
 
+def collection_no_cov(measures: bool) -> list[str]:
+    """What keeps pytest-cov out of the collection process of a measuring run: its imports are
+    measured again by each file's own process, and its data would land in the user's tree."""
+    return ["--no-cov"] if measures else []
+
+
 def collection_results(collection: Collection) -> list[FileResult]:
     """Files that never reach the runner: collection errors and whole-module skips."""
     return [error_result(error) for error in collection.errors] + [
@@ -242,16 +243,6 @@ def child_args(
     if settings.get("per_test_timeout"):
         args.append(f"--timeout={settings['per_test_timeout']:g}")
     return tuple(args)
-
-
-def exit_code(results: Sequence[FileResult], interrupted: bool) -> int:
-    if interrupted:
-        return EXIT_INTERRUPTED
-    if failing(results):
-        return EXIT_FAILED
-    if not results:
-        return EXIT_EMPTY
-    return EXIT_OK
 
 
 @contextlib.contextmanager
@@ -321,7 +312,7 @@ def run(
             return _run(paths, settings, pytest_args, reporter, server, run_id)
     except KeyboardInterrupt:
         reporter.say("gpusched: interrupted during collection")
-        return finish([], True, [], settings, reporter)
+        return finish(RunEnd([], [], ".", interrupted=True), settings, reporter)
 
 
 def _run(
@@ -338,6 +329,7 @@ def _run(
     tmp_root, tmp_warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
     log_dir = STATE_DIR / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    measures = coverage_requested(paths, pytest_args, os.environ, Path.cwd())
     work_dir = Path(tempfile.mkdtemp(prefix="gpusched-run-"))
     config = RunConfig(
         pytest_args=child_args(paths, settings, pytest_args),
@@ -353,6 +345,7 @@ def _run(
         rootdir=str(guess_rootdir(paths, Path.cwd())),
         heartbeat=settings["heartbeat"],
         prestart=settings["prestart"],
+        coverage=work_dir / "coverage" if measures else None,
     )
     history, history_warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
     for warning in (history_warning, tmp_warning):
@@ -479,7 +472,7 @@ def _run_streaming(
         collection, failure = asyncio.run(
             _collect_and_run(
                 paths,
-                [*selection, *pytest_args],
+                [*selection, *pytest_args, *collection_no_cov(config.coverage is not None)],
                 settings,
                 server,
                 cache,
@@ -500,29 +493,20 @@ def _run_streaming(
         reporter.say(
             f"gpusched: warning: {runner.forkserver_lost}; later files started fresh processes"
         )
-    warning = record_durations(
-        STATE_DIR / HISTORY_FILE, observations(report.results, feeder.rootdir)
-    )
-    if warning:
-        reporter.say(f"gpusched: warning: {warning}")
-    if settings.get("timeline"):
-        from gpusched.reporting.timeline import timeline_html
-
-        atomic_write(
-            settings["timeline"], timeline_html(results + report.results, [c.id for c in cards])
-        )
-    if failure is not None:
-        if failure.exit_code == EXIT_USAGE and not report.results:
-            raise UsageError(str(failure)) from None  # the command line prints it, once
-        reporter.say(f"gpusched: {failure}")
-        if not results and not report.results:
-            return failure.exit_code
-        finish(results + report.results, report.interrupted, report.quarantined, settings, reporter)
-        return failure.exit_code
-    if report.interrupted and collection is None:
-        reporter.say("gpusched: interrupted during collection")
-    return finish(
-        results + report.results, report.interrupted, report.quarantined, settings, reporter
+    return end_run(
+        RunEnd(
+            results + report.results,
+            report.results,
+            feeder.rootdir,
+            report.interrupted,
+            report.quarantined,
+            failure,
+            collected=collection is not None,
+            cards=[c.id for c in cards],
+            coverage=config.coverage,
+        ),
+        settings,
+        reporter,
     )
 
 
@@ -606,43 +590,6 @@ def live_reporter(
     return LiveReporter(
         [c.id for c in cards], cpu_slots, total, Console(file=reporter.out), collecting=collecting
     )
-
-
-def failing_file_lines(result: FileResult) -> list[str]:
-    """What the console shows of a failing file: its failed tests as pytest's terminal shows
-    them, with every report section (``failure_lines``), then the end of the file's log
-    where the tests alone cannot explain the outcome (a timeout, a crash, an error of
-    pytest itself or of collection, a failure without a failed test)."""
-    lines = failure_lines(result)
-    if not lines or result.outcome != Outcome.FAILED:
-        lines += log_tail(result)
-    if not lines:
-        return []
-    return [f"{'_' * 20} {display_path(result.path)} ({result.outcome.value}) {'_' * 20}", *lines]
-
-
-def finish(
-    results: list[FileResult],
-    interrupted: bool,
-    quarantined: list[str],
-    settings: dict[str, Any],
-    reporter: ConsoleReporter,
-    nodes: Mapping[str, Sequence[str]] | None = None,
-) -> int:
-    """The end of every run (one node or a cluster): failures' log tails, JUnit and JSON
-    reports, the summary lines; the exit code. ``nodes``: a cluster run's nodes (those that
-    joined during the run too) and their card ids, for the JSON report."""
-    code = exit_code(results, interrupted)
-    for result in failing(results):
-        for line in failing_file_lines(result):
-            reporter.say(line)
-    if settings.get("junitxml"):
-        atomic_write(settings["junitxml"], junit_xml(results))
-    if settings.get("json"):
-        atomic_write(settings["json"], json_report(results, interrupted, quarantined, code, nodes))
-    for line in summary_lines(results, quarantined):
-        reporter.say(line)
-    return code
 
 
 def prepare_plan(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from gpusched.coverage.data import coverage_env
 from gpusched.execution.childenv import PortPool, card_env, child_env, plugin_args
 from gpusched.execution.forkclient import ForkedProcess, ForkServer, ServerGone
 from gpusched.execution.proctree import CpuMeter, KillReport, kill_job
@@ -65,6 +66,7 @@ class RunConfig:
     prestart: int = (
         0  # GPU files started ahead of their cards (gpusched.execution.warmstart); 0: off
     )
+    coverage: Path | None = None  # a measuring run: each attempt's data goes in a folder here
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,9 @@ class Child:
     warm: bool = False  # waiting for its cards behind a closed gate
     watcher: asyncio.Task | None = None  # posts Ready once the child reached its gate
     started: float | None = None  # monotonic; set for an early start (begun before the runner)
+    coverage: Path | None = (
+        None  # its coverage folder (a measuring run), dropped with an early start
+    )
 
     def close_gate(self) -> None:
         if self.watcher is not None:
@@ -193,6 +198,7 @@ class _Launch:
     ray_tmpdir: str
     env: dict[str, str]
     args: list[str]
+    coverage: Path | None = None
 
 
 def _launch(
@@ -218,12 +224,14 @@ def _launch(
         master_port=port,
         tag=tag,
     )
+    if config.coverage is not None:
+        env.update(coverage_env(config.coverage, key))
     args = [path, *plugin_args(), f"--gpusched-results={stream}", *config.pytest_args]
     if expect is not None:
         args.append(f"--gpusched-expect={expect}")
-    return _Launch(
-        tag, stream, config.log_dir / log_name(path, config.rootdir), ray_tmpdir, env, args
-    )
+    log_path = config.log_dir / log_name(path, config.rootdir)
+    coverage = config.coverage / key if config.coverage is not None else None
+    return _Launch(tag, stream, log_path, ray_tmpdir, env, args, coverage)
 
 
 def start_early(
@@ -246,6 +254,7 @@ def start_early(
     proc = ForkedProcess(server, pid)
     child = Child(proc, launch.tag, launch.stream, launch.log_path, launch.ray_tmpdir)
     child.started = time.monotonic()
+    child.coverage = launch.coverage
     return child
 
 
@@ -257,6 +266,8 @@ def stop_early(child: Child, server: ForkServer) -> None:
     shutil.rmtree(child.ray_tmpdir, ignore_errors=True)
     child.stream.unlink(missing_ok=True)
     child.log_path.unlink(missing_ok=True)
+    if child.coverage is not None:
+        shutil.rmtree(child.coverage, ignore_errors=True)
 
 
 class RevisesPending:

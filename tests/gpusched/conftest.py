@@ -14,8 +14,14 @@ from deadlines import hang_guard
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without gpusched's settings; no real card is visible
-    (``CUDA_VISIBLE_DEVICES=""``), so a run finds the same cards on a GPU machine as here."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE"))}
+    (``CUDA_VISIBLE_DEVICES=""``), so a run finds the same cards on a GPU machine as here.
+    Without coverage's variables either: a suite run here measures into its own data file,
+    never into this test's (when this suite runs under coverage)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE", "COVERAGE_"))
+    }
     env.pop("PYTEST_ADDOPTS", None)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpusched.coverage.data import pack
 from gpusched.execution.childenv import RAY_WORKER_NICENESS, local_tmp_root, read_mounts
 from gpusched.execution.cluster import versions, watchdog
 from gpusched.execution.forkclient import ForkServer, ServerSpec, start_server
@@ -92,6 +93,7 @@ class AgentConfig:
     server_timeout: float
     gpu_release_timeout: float
     gpu_release_memory: int
+    coverage: bool = False  # a measuring run: each attempt's data goes back with its result
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class FileFinished:
     quarantined: tuple[str, ...]
     log: str | None  # the end of its log, for the driver's copy
     recollected: bool = False  # its child found the file other than the cache predicted
+    coverage: dict[str, bytes] | None = None  # a measuring run: the attempt's coverage folder
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,7 @@ class NodeAgent:
             reruns=config.reruns,
             rootdir=str(self._root),
             prestart=0,
+            coverage=self._work / "coverage" if config.coverage else None,
         )
         for name in set(os.environ) - set(child_base_env(dict(os.environ))):
             del os.environ[name]  # the runner builds each child's environment from this one
@@ -381,7 +385,12 @@ class NodeAgent:
         log = _log_tail(result.log)
         quarantined = self._policy.quarantined.get(job_id, ())
         recollected = result.path in runner.recollected
-        self.emit(FileFinished(job_id, result, final, quarantined, log, recollected))
+        coverage = None
+        if runner.config.coverage is not None:
+            folder = runner.config.coverage / f"{job_id}-{result.attempts}"
+            coverage = pack(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        self.emit(FileFinished(job_id, result, final, quarantined, log, recollected, coverage))
 
     def _requeue(self, job: Job, found: Recollected) -> None:
         """The runner's ``requeue``: the driver decides where the file runs now."""

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpusched.atomic import atomic_write
+from gpusched.coverage.data import unpack
 from gpusched.execution.cluster import versions
 from gpusched.execution.cluster.agent import (
     AGENT_RUNTIME_ENV,
@@ -378,7 +379,10 @@ class ClusterRun(RevisesPending):
         join_check: float | None = JOIN_CHECK,
         open_input: bool = False,
         expect: Mapping[str, str] | None = None,
+        coverage: Path | None = None,
     ) -> None:
+        """``coverage``: a measuring run's folder, where each node's attempts land as
+        ``NODE/KEY`` (``gpusched.coverage.data``)."""
         self.agents = {agent.info.node_id: agent for agent in agents}
         self.policy = ClusterPolicy(policy_nodes(agents))
         self.config = config
@@ -406,6 +410,7 @@ class ClusterRun(RevisesPending):
         self.stop_reason = "-x"  # why pending files did not start, once no_new
         self.expect = dict(expect or {})  # path -> the collection cache's prediction
         self.recollected: set[str] = set()  # files whose child found the cache wrong
+        self.coverage = coverage
         self._next_beat = time.monotonic() + (heartbeat or 0.0)
 
     async def run(self, jobs: Sequence[Job]) -> ClusterReport:
@@ -611,9 +616,11 @@ class ClusterRun(RevisesPending):
                     self.started[job_id] = time.monotonic()
                     job = self.jobs[job_id]
                     self.reporter.started(job, agent.name, cards, attempt)
-                case FileFinished(job_id, result, final, quarantined, log, recollected):
+                case FileFinished(job_id, result, final, quarantined, log, recollected, data):
                     if recollected:
                         self.recollected.add(self.jobs[job_id].path)
+                    if data and self.coverage is not None:
+                        unpack(data, self.coverage / agent.name / f"{job_id}-{result.attempts}")
                     self._finished(agent, job_id, result, final, quarantined, log)
                 case FileRequeued(job_id, requirement, levels, tests, quarantined):
                     self._requeued(agent, job_id, requirement, levels, tests, quarantined)

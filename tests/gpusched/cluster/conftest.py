@@ -162,12 +162,13 @@ def extra_node(cluster, env: Mapping[str, str]) -> Iterator:
 
 
 def clean_env(ray_env: Mapping[str, str] = RAY_ENV) -> dict[str, str]:
-    """This environment without gpusched's, CUDA's, Ray's address and token variables, plus
-    ``ray_env``."""
+    """This environment without gpusched's, CUDA's, coverage's, Ray's address and token
+    variables, plus ``ray_env``."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE", "RAY_AUTH_")) and k != "RAY_ADDRESS"
+        if not k.startswith(("GPUSCHED_", "CUDA_VISIBLE", "RAY_AUTH_", "COVERAGE_"))
+        and k != "RAY_ADDRESS"
     }
     env.pop("PYTEST_ADDOPTS", None)
     env.update(ray_env)

@@ -332,3 +332,35 @@ def test_files_start_while_collecting_and_a_changed_requirement_is_placed_again(
     cache = json.loads((tmp_path / ".gpusched" / "collection.json").read_text())
     assert "test_b.py" not in cache["files"]  # forgotten: the next run collects it
     assert "test_gate.py" in cache["files"]  # collected this time: remembered
+
+
+def test_coverage_of_every_node_is_combined_on_the_drivers_paths(cluster_shared, tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    files = {}
+    for i, gpus in enumerate([4, 4, 2, 1, 0]):
+        (tmp_path / "pkg" / f"m{i}.py").write_text(f"def f(x):\n    if x:\n        return {i}\n")
+        marker = f"@pytest.mark.gpu({gpus})" if gpus else ""
+        files[f"test_m{i}.py"] = (
+            f"import pytest\nfrom pkg.m{i} import f\n\n{marker}\n"
+            f"def test_f():\n    assert f(1) == {i}\n"
+        )
+    write_suite(tmp_path, files)
+    result = gpusched(
+        tmp_path, "run", ".", "--ray", cluster_shared.address, "--",
+        "--cov=pkg", "--cov-report=term-missing",
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert result.stdout.count("tests coverage") == 1, out
+    [total] = [line.split() for line in result.stdout.splitlines() if line.startswith("TOTAL")]
+    assert total == ["TOTAL", "15", "0", "100%"], out
+    assert "working_dir" not in out and "/tmp/ray" not in out, out
+    import coverage
+
+    data = coverage.CoverageData(str(tmp_path / ".coverage"))
+    data.read()
+    measured = {os.path.relpath(path, tmp_path): data.lines(path) for path in data.measured_files()}
+    assert all(not path.startswith("..") for path in measured), measured  # only the checkout
+    for i in range(5):
+        assert sorted(measured[f"pkg/m{i}.py"]) == [1, 2, 3], measured
