@@ -15,14 +15,37 @@ trainer / best reference is the cost of the single controller.
 
 Each trainer row also reports rollout tokens/s (response tokens / generation
 time) and training tokens/s (sequence tokens / actor + critic update time).
+
+    python bench/ppo_step.py --profile       # where a trainer step's time goes
+    python bench/ppo_step.py --startup 3     # python -m trainer: command to first step
+    python bench/ppo_step.py --startup 3 --baseline-repo /tmp/old   # and another checkout's, alternately
+
+``--profile`` splits each trainer row's step (the means over the timed
+iterations of ``timing/*`` and ``perf/*`` in ``metrics.jsonl``) into the
+driver's own math, Ray call latency (waiting beyond the workers' compute:
+scheduling, transfers, deserialization), serialization (splitting, submitting
+and joining the batch), the workers' compute and, of it, host<->device copies,
+with the tensor bytes the driver sent and received. ``--startup N`` runs
+``python -m trainer trainer.total_steps=1`` N times and reports the seconds from
+the command to the first step (the first row's write time minus its
+``timing/step``), the same measure for any checkout; with ``--baseline-repo``
+the runs alternate between the two checkouts, so both see the same load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -39,6 +62,22 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "--engine", default="hf", help="rollout engine(s), comma-separated: hf, vllm (default hf)"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="print where each trainer row's step time goes"
+    )
+    p.add_argument(
+        "--startup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only measure python -m trainer's start-up (command to first step), N runs",
+    )
+    p.add_argument(
+        "--baseline-repo",
+        default="",
+        metavar="PATH",
+        help="with --startup: also run another checkout's python -m trainer, alternately",
     )
     args, rest = p.parse_known_args(argv)
     args.strategies = _choices(p, "--strategy", args.strategy, ("auto", "fsdp2", "ddp"))
@@ -81,8 +120,91 @@ def _time_steps(step, warmup: int, iters: int, results: list | None = None) -> l
     return out
 
 
+PROFILE_PARTS = (
+    ("driver math", "timing/driver_math"),
+    ("Ray call latency", "timing/call_latency"),
+    ("serialization", "timing/serialize"),
+    ("worker compute (less copies)", None),
+    ("host<->device copies", "timing/copies"),
+)
+
+
+def _profile(label: str, metrics: list[dict[str, float]]) -> None:
+    """Where the timed iterations' step time went, as means per step."""
+
+    def mean(key: str) -> float:
+        return statistics.fmean(m.get(key, 0.0) for m in metrics)
+
+    step = mean("timing/step")
+    print(f"\nprofile of {label}: {step:.3f} s/step (means over {len(metrics)} steps)")
+    print(f"| {'part':<30} | {'s/step':>7} | {'share':>6} |")
+    print(f"|{'-' * 32}|{'-' * 9}|{'-' * 8}|")
+    for name, key in PROFILE_PARTS:
+        secs = mean(key) if key else mean("timing/worker_compute") - mean("timing/copies")
+        print(f"| {name:<30} | {secs:7.3f} | {secs / max(step, 1e-9):6.1%} |")
+    controller = mean("timing/controller")
+    print(
+        f"| {'controller (latency + serial.)':<30} | {controller:7.3f} | {controller / step:6.1%} |"
+    )
+    print(
+        f"driver bytes per step: {mean('perf/driver_bytes') / 1e6:.2f} MB "
+        f"({mean('perf/driver_bytes_sent') / 1e6:.2f} sent, "
+        f"{mean('perf/driver_bytes_received') / 1e6:.2f} received) in "
+        f"{mean('perf/worker_calls'):.0f} calls; the batch: {mean('perf/batch_bytes') / 1e6:.2f} MB "
+        f"({mean('perf/driver_bytes') / max(mean('perf/batch_bytes'), 1):.2f}x)"
+    )
+
+
+def _startup_once(repo: Path, overrides: list[str]) -> float:
+    """``python -m trainer`` in ``repo``, one step: seconds from the command to that step's start."""
+    run_dir = Path(tempfile.mkdtemp(prefix="su", dir="/tmp"))
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=str(repo))
+    try:
+        t0 = time.time()
+        subprocess.run(
+            [sys.executable, "-m", "trainer", "trainer.total_steps=1", "trainer.val_every=0",
+             "trainer.export_final=false", "trainer.progress=false",
+             f"trainer.run_dir={run_dir}", *overrides],
+            cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        metrics = run_dir / "metrics.jsonl"
+        row = json.loads(metrics.read_text().splitlines()[0])
+        return metrics.stat().st_mtime - row["timing/step"] - t0
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _startup(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``--startup N``: command-to-first-step seconds of this checkout (and a baseline's)."""
+    repos = {"this checkout": REPO}
+    if args.baseline_repo:
+        baseline = Path(args.baseline_repo).resolve()
+        if not (baseline / "trainer" / "__main__.py").is_file():
+            print(f"bench/ppo_step.py: --baseline-repo {baseline}: no trainer/__main__.py there",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        repos["baseline"] = baseline
+    times: dict[str, list[float]] = {name: [] for name in repos}
+    for _ in range(args.startup):
+        for name, repo in repos.items():  # alternately: both see the same load
+            times[name].append(_startup_once(repo, overrides))
+    print(f"\npython -m trainer, command to first step, {args.startup} run(s) each:")
+    for name, secs in times.items():
+        runs = ", ".join(f"{t:.1f}" for t in secs)
+        print(f"  {name}: median {statistics.median(secs):.1f} s ({runs}) [{repos[name]}]")
+    if "baseline" in times:
+        ratio = statistics.median(times["this checkout"]) / statistics.median(times["baseline"])
+        print(f"  this checkout / baseline: {ratio:.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse(argv)
+    if args.startup:
+        return _startup(args, overrides)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -150,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     n_ref = len(rows)
     throughput: dict[str, tuple[float, float]] = {}
+    step_metrics: dict[str, list[dict[str, float]]] = {}
     startup = {}
     try:
         path = resolve_model_path(cfg.model.path)
@@ -188,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                     times = _time_steps(trainer.train_step, args.warmup, args.iters, metrics)
                     rows.append((label, statistics.median(times), statistics.stdev(times)))
                     throughput[label] = _throughput(metrics)
+                    step_metrics[label] = metrics
                 finally:
                     shutdown_worker_groups(groups)
     finally:
@@ -218,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         base = trainer_rows[0]
         for name, med, _ in trainer_rows[1:]:
             print(f"{name} vs {base[0]}: {med / base[1]:.2f}x s/iter")
+    if args.profile:
+        for label, metrics in step_metrics.items():
+            _profile(label, metrics)
     return 0
 
 

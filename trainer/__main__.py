@@ -296,6 +296,9 @@ def _train(p: _Prepared, *, colocate: bool = True, joined: str | None = None) ->
 
         def on_step(step: int, metrics: dict[str, float]) -> None:
             metrics["timing/wall"] = time.perf_counter() - t0
+            if not logged:  # this process's first row: how long it took to get here
+                metrics["timing/startup"] = ready - _process_start()
+                logged.append(step)
             logger.log(metrics, step)
             progress.update(step, metrics)
             writer.wait()  # the previous step's background save: committed, or an error here
@@ -304,6 +307,8 @@ def _train(p: _Prepared, *, colocate: bool = True, joined: str | None = None) ->
                 writer.save(step, trainer.state_dict(), cfg.trainer.async_save)
 
         writer = _checkpoint_writer(run_dir, actor, critic, cfg.trainer.keep_checkpoints)
+        logged: list[int] = []
+        ready = time.time()  # the first step starts now
         history = trainer.fit(on_step)
         writer.wait()
         if cfg.trainer.export_final:
@@ -330,6 +335,13 @@ def _train(p: _Prepared, *, colocate: bool = True, joined: str | None = None) ->
         worker_pids,
         start_step,
     )
+
+
+def _process_start() -> float:
+    """When this process started (seconds since the epoch): ``timing/startup`` counts from it."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _checkpoint_writer(run_dir: Path, actor: Any, critic: Any, keep: int) -> Any:

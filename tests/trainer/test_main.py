@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from deadlines import hang_guard
 
 
@@ -56,8 +57,28 @@ def test_a_tiny_run_prints_where_its_outputs_are(trainer_cli, tmp_path):
         "perf/tokens_per_s",
     ):
         assert key in rows[-1], key
+    assert_controller_figures(rows)
     assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "config.yaml").read_text().startswith("algo: grpo")
+
+
+def assert_controller_figures(rows: list[dict]) -> None:
+    """Every step's cost of the controller adds up, and its bytes are the batch's at least."""
+    for row in rows:
+        step = row["timing/step"]
+        controller = row["timing/controller"]
+        assert 0 <= controller <= step, row
+        assert controller == pytest.approx(row["timing/serialize"] + row["timing/call_latency"])
+        parts = controller + row["timing/worker_compute"] + row["timing/driver_math"]
+        assert parts == pytest.approx(step), row
+        assert 0 <= row["timing/copies"] <= row["timing/worker_compute"]
+        sent, received = row["perf/driver_bytes_sent"], row["perf/driver_bytes_received"]
+        assert row["perf/driver_bytes"] == sent + received
+        # Every tensor of the step's batch crossed between driver and workers at least once.
+        assert row["perf/driver_bytes"] >= row["perf/batch_bytes"] > 0, row
+        assert sent > 0 and received > 0
+    assert rows[0]["timing/startup"] > 0  # the first row of a process: command to first step
+    assert all("timing/startup" not in row for row in rows[1:])
 
 
 def test_help_and_bad_overrides(trainer_cli):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from trainer.controller import ledger
 from trainer.controller.colocation import ColocateMode, plan_hosts
 from trainer.controller.dispatch import collect_results, split_call
 from trainer.controller.errors import WorkerDiedError, WorkerError
@@ -120,16 +122,27 @@ class RoleGroup:
         return len(self.hosts)
 
     def call(self, name: str, spec: DispatchSpec, args: tuple, kwargs: dict) -> Any:
-        """Run ``name`` under ``spec``; the proxies call this."""
+        """Run ``name`` under ``spec``; the proxies call this.
+
+        Its costs (time to split and submit, to wait, to join; the workers' own
+        seconds; tensor bytes each way) go to the open ledger, if any
+        (:mod:`trainer.controller.ledger`).
+        """
+        t0 = time.perf_counter()
         split = split_call(spec.mode, self.world_size, args, kwargs, f"{self.role}.{name}")
         refs = [
-            self.hosts[rank].call.remote(self.role, name, *split.args[i], **split.kwargs[i])
+            self.hosts[rank].timed_call.remote(self.role, name, *split.args[i], **split.kwargs[i])
             for i, rank in enumerate(split.ranks)
         ]
+        ledger.record_submit(time.perf_counter() - t0, [*split.args, *split.kwargs])
 
         def finish() -> Any:
-            results = _gather(refs, split.ranks, self.role, name)
-            return collect_results(spec.mode, results, split.pad_size)
+            t1 = time.perf_counter()
+            timed = _gather(refs, split.ranks, self.role, name)
+            t2 = time.perf_counter()
+            result = collect_results(spec.mode, [t.result for t in timed], split.pad_size)
+            ledger.record_finish(t2 - t1, time.perf_counter() - t2, timed)
+            return result
 
         return finish() if spec.blocking else PendingCall(finish, refs)
 

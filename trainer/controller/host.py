@@ -12,12 +12,14 @@ group's proxies, named after the worker methods.
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from typing import Any
 
 import ray
 import torch
 
+from trainer.controller import ledger
 from trainer.controller.errors import WorkerError
 from trainer.controller.rendezvous import free_port
 from trainer.controller.worker import Worker, WorkerContext, create_worker
@@ -70,3 +72,14 @@ class WorkerHost:
             return getattr(self._workers[role], method)(*args, **kwargs)
         except Exception:
             raise WorkerError(role, self._rank, method, traceback.format_exc()) from None
+
+    def timed_call(self, role: str, method: str, /, *args: Any, **kwargs: Any) -> ledger.Timed:
+        """:meth:`call`, with the seconds the method took here and, of those, its device copies.
+
+        What the role groups use: the driver's ledger subtracts the workers'
+        own time from the time it waited (``trainer.controller.ledger``).
+        """
+        ledger.copy_seconds(reset=True)
+        t0 = time.perf_counter()
+        result = self.call(role, method, *args, **kwargs)
+        return ledger.Timed(result, time.perf_counter() - t0, ledger.copy_seconds())

@@ -22,6 +22,7 @@ from trainer.algorithms import mismatch as rollout_mismatch
 from trainer.algorithms import ppo_math as algos
 from trainer.checkpoints import rng
 from trainer.config import Config
+from trainer.controller.ledger import Ledger, tensor_bytes
 from trainer.data import batch as batch_ops
 from trainer.data.prompts import PromptDataset, PromptLoader
 from trainer.data.rewards import RewardFn, score
@@ -376,6 +377,8 @@ class PPOTrainer:
                 cfg.trainer.total_steps,
             )
         self.kl_ctrl = make_kl_controller(cfg)
+        self.calls = Ledger()
+        """What each step's worker calls cost the driver (``timing/controller``, ``perf/driver_bytes``)."""
         self.multi_turn = cfg.rollout.multi_turn.enable
         self.trajectory_log: episodes.TrajectoryLog | None = None
         """Set by the caller that owns a run directory (``python -m trainer``)."""
@@ -392,6 +395,7 @@ class PPOTrainer:
         cfg, n, m = self.cfg, self.cfg.rollout.n, {}
         step = self.step
         t_start = time.perf_counter()
+        self.calls.start()  # the controller's cost: every worker call of this step
 
         # 1. rollout: n samples per prompt (generated now, or queued on the rollout pool)
         self.rollouts.prepare(step)
@@ -484,6 +488,9 @@ class PPOTrainer:
         self.rollouts.after_update(step + 1)
 
         elapsed = time.perf_counter() - t_start
+        self.calls.stop()
+        m.update(self.calls.metrics(elapsed))
+        m["perf/batch_bytes"] = float(tensor_bytes(batch))
         n_tokens = int(mask.sum())
         m.update(
             {

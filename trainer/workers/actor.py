@@ -23,6 +23,7 @@ from trainer import fsdp
 from trainer.checkpoints.export import save_hf_model, write_hf_files
 from trainer.config import Config
 from trainer.controller import Dispatch, Worker
+from trainer.controller.ledger import move
 from trainer.models import load_tokenizer
 from trainer.rollout import build_engine, build_rollout
 from trainer.workers.compute import compute_log_probs, update_policy
@@ -128,7 +129,7 @@ class ActorRolloutRefWorker(Worker):
         shared = self.cfg.rollout.engine == "hf"
         rollout = self.multi_turn or self.engine
         with self._gathered(self.actor) if shared else nullcontext():
-            return rollout.generate(prompts.to(self.device), params).to("cpu")
+            return move(rollout.generate(move(prompts, self.device), params), "cpu")
 
     def _log_probs(
         self, model: torch.nn.Module, batch: TensorDict
@@ -137,13 +138,13 @@ class ActorRolloutRefWorker(Worker):
         with self._gathered(model):
             lp, ent = compute_log_probs(
                 model,
-                batch.to(self.device),
+                move(batch, self.device),
                 self.cfg.rollout.temperature,
                 self.cfg.actor.micro_batch_size,
                 self.cfg.actor.micro_batch_tokens,
                 share_prompt(self.cfg),
             )
-        return lp.cpu(), ent.cpu()
+        return move(lp, "cpu"), move(ent, "cpu")
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         """``old_log_probs`` and ``entropy`` (B, R) under the current policy."""
@@ -162,7 +163,7 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: TensorDict, step: int) -> dict[str, float]:
         """PPO update on this rank's shard (gradients averaged over ranks); returns metrics."""
         metrics = update_policy(
-            self.actor, self.optimizer, batch.to(self.device), policy_settings(self.cfg, step)
+            self.actor, self.optimizer, move(batch, self.device), policy_settings(self.cfg, step)
         )
         self.scheduler.step()
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])

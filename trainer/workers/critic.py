@@ -7,6 +7,7 @@ from tensordict import TensorDict
 from trainer import fsdp
 from trainer.config import Config
 from trainer.controller import Dispatch, Worker
+from trainer.controller.ledger import move
 from trainer.workers.actor import place_model, seed_worker
 from trainer.workers.compute import compute_values, update_value
 from trainer.workers.device import backend_for, worker_device
@@ -52,16 +53,16 @@ class CriticWorker(Worker):
         with gathered:
             v = compute_values(
                 self.critic,
-                batch.to(self.device),
+                move(batch, self.device),
                 self.cfg.critic.micro_batch_size,
                 self.cfg.critic.micro_batch_tokens,
             )
-        return TensorDict({"values": v.cpu()}, batch_size=batch.batch_size)
+        return TensorDict({"values": move(v, "cpu")}, batch_size=batch.batch_size)
 
     def update_critic(self, batch: TensorDict, step: int) -> dict[str, float]:
         """Clipped value regression on this rank's shard (gradients averaged over ranks)."""
         metrics = update_value(
-            self.critic, self.optimizer, batch.to(self.device), value_settings(self.cfg, step)
+            self.critic, self.optimizer, move(batch, self.device), value_settings(self.cfg, step)
         )
         self.scheduler.step()
         metrics["critic/lr"] = float(self.scheduler.get_last_lr()[0])

@@ -25,6 +25,7 @@ from tensordict import TensorDict
 
 from trainer.config import Config
 from trainer.controller import Dispatch, DispatchSpec, Worker
+from trainer.controller.ledger import move
 from trainer.models import load_tokenizer
 from trainer.rollout import build_engine, build_rollout
 from trainer.workers.actor import seed_worker
@@ -132,7 +133,7 @@ class RolloutWorker(Worker):
         params = sampling_params(self.cfg, self.max_new_tokens, validation=validation)
         t0 = time.perf_counter()
         rollout = self.multi_turn or self.engine
-        out = rollout.generate(prompts.to(self.device), params)
+        out = rollout.generate(move(prompts, self.device), params)
         if not validation and "rollout_log_probs" not in out.keys():
             lp, _ = compute_log_probs(
                 self.model,
@@ -149,7 +150,7 @@ class RolloutWorker(Worker):
         out["rollout_seconds"] = torch.full(
             (b,), time.perf_counter() - t0, dtype=torch.float64, device=self.device
         )
-        return out.to("cpu")
+        return move(out, "cpu")
 
     def generate_async(self, prompts: TensorDict, validation: bool = False) -> TensorDict:
         """:meth:`generate_sequences`, called without waiting: the driver holds a pending call."""
