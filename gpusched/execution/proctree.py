@@ -274,6 +274,7 @@ class _Metered:
     seen: dict[tuple[int, float], tuple[int, float]] = field(default_factory=dict)
     gone: float = 0.0  # CPU seconds of processes that ended without a parent of the job
     last: tuple[float, float] | None = None  # (time, total) of the latest sample
+    high: float | None = None  # the highest total so far: the peak counts only what is new
     peak: float = 0.0
 
 
@@ -304,6 +305,7 @@ class CpuMeter:
         self._wake = threading.Event()  # a job to watch, or closing
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._cores = float(os.cpu_count() or 1)
 
     def start(self) -> None:
         """Begin scanning in a daemon thread, every ``interval`` s while a job is watched."""
@@ -336,7 +338,9 @@ class CpuMeter:
         if job is None or job.last is None:
             return None
         when, total = job.last
-        return CpuUse(max(0.0, total - job.baseline), when - job.started, job.peak)
+        wall = when - job.started
+        seconds = min(max(0.0, total - job.baseline), self._cores * wall)
+        return CpuUse(seconds, wall, job.peak)
 
     def sample(self) -> None:
         """Scan every process once and update every watched job (blocking: the meter's thread)."""
@@ -344,7 +348,7 @@ class CpuMeter:
             jobs = list(self._jobs.values())
         if not jobs:
             return
-        now = self._clock()
+        began = self._clock()
         table: dict[int, tuple[float, int, float]] = {}  # pid -> (create time, ppid, CPU total)
         children: dict[int, list[int]] = {}
         for proc in psutil.process_iter(["ppid", "create_time", "cpu_times"]):
@@ -353,6 +357,7 @@ class CpuMeter:
                 continue  # gone meanwhile, or not ours to read
             table[proc.pid] = (info["create_time"], info["ppid"], _cpu_total(info["cpu_times"]))
             children.setdefault(info["ppid"], []).append(proc.pid)
+        now = (began + self._clock()) / 2  # on a loaded machine one scan can take a while
         members = [self._members(job, table, children) for job in jobs]
         tagged = {job.tag: found for job, found in zip(jobs, members, strict=True) if job.tag}
         if tagged:
@@ -364,7 +369,7 @@ class CpuMeter:
                         tagged[tag].add(pid)
         with self._lock:
             for job, found in zip(jobs, members, strict=True):
-                _account(job, found, table, now)
+                _account(job, found, table, now, self._cores)
 
     def _members(
         self,
@@ -410,9 +415,20 @@ class CpuMeter:
 
 
 def _account(
-    job: _Metered, found: set[int], table: dict[int, tuple[float, int, float]], now: float
+    job: _Metered,
+    found: set[int],
+    table: dict[int, tuple[float, int, float]],
+    now: float,
+    cores: float,
 ) -> None:
-    """Fold one scan's ``found`` processes of ``job`` into its total and peak."""
+    """Fold one scan's ``found`` processes of ``job`` into its total and peak.
+
+    A scan reads one process after another: a child read just before it ends
+    and its parent read just after reaping it count it twice in that scan,
+    and a child gone before its parent reaped it counts in neither. The
+    total is right again at the next scan, so the peak measures only what
+    rises above the highest total seen, and no more than the machine's cores.
+    """
     current = {(pid, table[pid][0]): (table[pid][1], table[pid][2]) for pid in found}
     alive = {pid for pid, _created in current}
     for key, (ppid, total) in job.seen.items():
@@ -420,8 +436,9 @@ def _account(
             job.gone += total  # no parent of the job reaped it: its time is nowhere else
     job.seen = current
     total = job.gone + sum(cpu for _ppid, cpu in current.values())
-    if job.last is not None and now > job.last[0]:
-        job.peak = max(job.peak, (total - job.last[1]) / (now - job.last[0]))
-    elif job.last is None and now > job.started:
-        job.peak = max(0.0, total - job.baseline) / (now - job.started)
+    since, before = job.last if job.last is not None else (job.started, job.baseline)
+    high = before if job.high is None else job.high
+    if now > since and total > high:
+        job.peak = min(cores, max(job.peak, (total - high) / (now - since)))
+    job.high = max(high, total)
     job.last = (now, total)
