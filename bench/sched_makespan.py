@@ -32,8 +32,21 @@ printed too. Targets: makespan/LB' <= 1.10 without history, <= 1.05 with it,
 >= 3x faster than one after another, plan's prediction within 15% of the
 measured makespan of run 2.
 
+Packing on cores (``--cpu-slots`` as a budget each file's learnt CPU use
+counts against, GPU files too) is shown on a virtual clock alone with
+``--virtual``: no process runs; the policy replays the suite (every file
+taking ``seconds + c``) with the CPU figures of each profile below, beside the
+same suite packed without CPU figures (each CPU file one slot, GPU files only
+cards: the rule before files were measured, and a first run's now):
+
+- ``sleep, as measured``: every file counts ``SLEEP_CPU`` cores, what a
+  sleeping test file's process tree measures (``gpusched plan``'s cpu column);
+- ``1 core each``: every file, GPU files too, keeps one core busy;
+- ``random 0.1-1.5``: figures drawn uniformly (``--seed``).
+
     python bench/sched_makespan.py            # 40 files, a few minutes
     python bench/sched_makespan.py --quick    # 16 shorter files, about a minute
+    python bench/sched_makespan.py --virtual --files 44   # the virtual clock only, seconds
 """
 
 from __future__ import annotations
@@ -52,12 +65,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpusched.history import load_history
 from gpusched.inventory import Card
 from gpusched.requirements import Requirement
 from gpusched.scheduling import Job, simulate
 
 CARDS = 8
 MIX = {0: 0.20, 1: 0.35, 2: 0.20, 4: 0.15, 8: 0.10}  # share of files needing that many GPUs
+SLEEP_CPU = 0.05  # cores a file that sleeps 1-8 s measures (fork server, 2-core machine)
 
 
 @dataclass(frozen=True)
@@ -164,11 +179,48 @@ def as_measured(files: list[SyntheticFile], report: Path) -> list[SyntheticFile]
     return [SyntheticFile(f.name, f.gpus, took[f.name]) for f in files]
 
 
-def simulated_makespan(files: list[SyntheticFile], extra: float, cpu_slots: int) -> float:
-    """gpusched's policy on a virtual clock, every file taking exactly ``seconds + extra``."""
-    jobs = [Job(i, f.name, Requirement(f.gpus), f.seconds + extra) for i, f in enumerate(files)]
+def simulated_makespan(
+    files: list[SyntheticFile],
+    extra: float,
+    cpu_slots: int,
+    cpu: dict[str, float | None] | None = None,
+) -> float:
+    """gpusched's policy on a virtual clock, every file taking exactly ``seconds + extra`` and
+    counting ``cpu[name]`` cores (None or missing: never measured)."""
+    cpu = cpu or {}
+    jobs = [
+        Job(i, f.name, Requirement(f.gpus), f.seconds + extra, cpu.get(f.name))
+        for i, f in enumerate(files)
+    ]
     runs, _ = simulate([Card(str(i)) for i in range(CARDS)], jobs, cpu_slots)
     return max(run.end for run in runs)
+
+
+def cpu_profiles(files: list[SyntheticFile], seed: int) -> dict[str, dict[str, float | None]]:
+    """The CPU figures of the ``--virtual`` profiles (module docstring), by file name."""
+    rng = random.Random(seed)
+    return {
+        "sleep, as measured": {f.name: SLEEP_CPU for f in files},
+        "1 core each": {f.name: 1.0 for f in files},
+        "random 0.1-1.5": {f.name: round(rng.uniform(0.1, 1.5), 2) for f in files},
+    }
+
+
+def virtual(files: list[SyntheticFile], extra: float, cpu_slots: int, seed: int) -> None:
+    """Print the ``--virtual`` table: each profile's makespan beside the one without figures."""
+    before = simulated_makespan(files, extra, cpu_slots)
+    print(f"bench: virtual clock, every file taking its sleep + c = {extra:.2f} s")
+    print(f"{'CPU figures':<22} {'makespan (s)':>13} {'without figures (s)':>20} {'ratio':>7}")
+    print(f"{'never measured':<22} {before:>13.1f} {before:>20.1f} {1.0:>7.3f}")
+    for name, cpu in cpu_profiles(files, seed).items():
+        packed = simulated_makespan(files, extra, cpu_slots, cpu)
+        print(f"{name:<22} {packed:>13.1f} {before:>20.1f} {packed / before:>7.3f}")
+
+
+def learnt_cpu(root: Path) -> dict[str, float | None]:
+    """Each file's CPU figure from the history the runs wrote (what run 2 packed on)."""
+    history, _ = load_history(root / ".gpusched" / "durations.json")
+    return {key: entry.cpu for key, entry in history.items()}
 
 
 def forked_file(path: Path, times: int = 5) -> float:
@@ -200,13 +252,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, help="number of files (default 40, quick 16)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeline", type=Path, help="copy run 2's HTML timeline here")
+    parser.add_argument(
+        "--virtual", action="store_true", help="only the CPU profiles on the virtual clock"
+    )
+    parser.add_argument(
+        "--c", type=float, default=0.6, help="with --virtual: per-file overhead c (s)"
+    )
+    parser.add_argument("--cpu-slots", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     count = args.files or (16 if args.quick else 40)
     if count < 5:
         parser.error(f"--files {count}: need at least 5 files")
     low, high = (1.0, 3.0) if args.quick else (1.0, 8.0)
     files = make_suite(count, low, high, args.seed)
-    cpu_slots = os.cpu_count() or 1
+    cpu_slots = args.cpu_slots
+    if args.virtual:
+        print(f"bench: {count} files ({', '.join(f'{sum(f.gpus == g for f in files)}x{g}' for g in MIX)} "
+              f"GPUs), sleeps {low:g}-{high:g} s, {CARDS} cards, {cpu_slots} cores")  # fmt: skip
+        virtual(files, args.c, cpu_slots, args.seed)
+        return 0
     root = Path(tempfile.mkdtemp(prefix="gpusched-bench-"))
     try:
         write_suite(root, files)
@@ -242,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         lbm1 = max(lower_bound(as_measured(files, root / "run1.json"), 0.0, cpu_slots).values())
         lbm2 = max(lower_bound(as_measured(files, root / "run2.json"), 0.0, cpu_slots).values())
         lbm3 = max(lower_bound(as_measured(files, root / "run3.json"), 0.0, cpu_slots).values())
-        ideal = simulated_makespan(files, overhead, cpu_slots)
+        ideal = simulated_makespan(files, overhead, cpu_slots, learnt_cpu(root))
         print(f"bench: c = {overhead:.2f} s (empty-file pytest subprocess, median of 5); "
               f"forked from a warm fork server: {forked:.3f} s")  # fmt: skip
         lbf = max(lower_bound(files, forked, cpu_slots).values())
