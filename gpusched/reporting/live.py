@@ -9,6 +9,7 @@ computed from its state by ``LiveState.rows`` (pure) at each refresh.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -65,9 +66,8 @@ class LiveState:
         for slot in [slot for slot, held in self.holding.items() if held[0] == job.path]:
             del self.holding[slot]
         slots = [f"gpu {card}" for card in cards]
-        if not slots:
-            free = [f"cpu {i + 1}" for i in range(self.cpu_slots)]
-            slots = [next((s for s in free if s not in self.holding), f"cpu {len(free) + 1}")]
+        if not slots:  # the first free CPU row; light files may run more than cpu_slots at once
+            slots = [next(f"cpu {i}" for i in itertools.count(1) if f"cpu {i}" not in self.holding)]
         for slot in slots:
             self.holding[slot] = (job.path, now, attempt)
         self.expected[job.path] = job.expected

@@ -64,6 +64,18 @@ def test_state_rows_show_each_card_and_cpu_slot_with_elapsed_and_expected():
     assert state.summary(5.0) == "1/4 files done (1 passed) | 1 running | 2 pending | 5s elapsed"
 
 
+def test_light_files_beyond_the_cpu_slots_each_get_a_row_of_their_own():
+    """Files that use little CPU run more at once than there are slots (packing on cores)."""
+    state = LiveState((), cpu_slots=2, total=4)
+    for i in range(4):
+        state.start(_job(i, f"/s/test_{i}.py", 0, 1.0), (), 1, now=0.0)
+    rows = {row.slot: row.path for row in state.rows(now=1.0)}
+    assert rows == {f"cpu {i + 1}": f"/s/test_{i}.py" for i in range(4)}
+    state.finish(FileResult("/s/test_1.py", Outcome.PASSED, (), 0.0, 1.0))
+    state.start(_job(4, "/s/test_4.py", 0, 1.0), (), 1, now=1.0)
+    assert {row.slot: row.path for row in state.rows(now=2.0)}["cpu 2"] == "/s/test_4.py"
+
+
 def test_a_node_that_joins_adds_its_idle_cards_and_slots_as_rows():
     state = LiveState(("a:0",), cpu_slots=1, total=2)
     state.add_slots(("b:0", "b:1"), 1)
