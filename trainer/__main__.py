@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,21 +84,6 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algo}-seed{cfg.seed}"
 
 
-def _local_cpus(cfg: Config) -> int:
-    """CPUs for a fresh local cluster: one per worker of every pool the run reserves."""
-    from trainer.loop.ppo import pool_count
-    from trainer.workers.device import CPU_WORKERS
-
-    pools, workers = pool_count(cfg), cfg.trainer.num_workers
-    rollout = cfg.rollout_pool_workers
-    if workers:
-        return pools * workers + rollout
-    if cfg.device_request == "cpu":
-        return pools * CPU_WORKERS + rollout
-    # auto workers on a node whose GPUs Ray is about to count: room for one per GPU
-    return max(pools * CPU_WORKERS, os.cpu_count() or 1) + rollout
-
-
 def run(cfg: Config) -> RunResult:
     """Train ``cfg`` and write the run's outputs: on the cluster ``RAY_ADDRESS`` names, else a fresh local one.
 
@@ -115,31 +101,76 @@ def run(cfg: Config) -> RunResult:
     # before anything slow, instead of Ray's retries (a line a second) and a traceback.
     address = os.environ.get("RAY_ADDRESS")
     target = reach.prepare(address, label=ADDRESS_VARIABLE) if address else None
-    prepared = _prepare(cfg)  # bad input fails here, before Ray starts
+    # Torch, the tokenizer and the data load in a thread while Ray starts here; bad
+    # input (a data file, the reward function) raises from preparing.result(), with
+    # Ray shut down before the error reaches the user.
+    preparing = _Background(_prepare, cfg, to_dict(cfg))
+    try:
+        _start_ray(cfg, target, address)
+    except Exception:
+        preparing.result()  # its error (bad input) first: the user's to fix
+        raise
+    try:
+        return _train(preparing.result(), joined=target)
+    finally:
+        ray.shutdown()
+
+
+def _start_ray(cfg: Config, target: str | None, address: str | None) -> None:
+    """Join the cluster at ``target`` (checked by ``reach.prepare``), else start a local one."""
+    import ray
+
     from rl_e2e.netguard import apply_loopback_guard
     from trainer.launch.runtime_env import get_runtime_env
+    from trainer.placement import local_cpus
 
     apply_loopback_guard()
     common = dict(runtime_env=get_runtime_env(), log_to_driver=False, logging_level="ERROR")
     if target is not None:
         # Submitted with `ray job submit` (or pointed at a cluster on purpose): join it.
-        _join(target, address, common)
-    else:
-        ray.init(
-            # "local": a fresh cluster, never the one a `ray start` recorded in
-            # ray_current_cluster (a crashed one leaves a stale address that fails this call).
-            address="local",
-            num_cpus=cfg.trainer.ray_num_cpus or _local_cpus(cfg),
-            # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
-            # build_worker_groups then plans on them; trainer.device=cpu hides them from Ray.
-            num_gpus=0 if cfg.device_request == "cpu" else None,
-            include_dashboard=False,
-            **common,
-        )
-    try:
-        return _train(prepared, joined=target)
-    finally:
-        ray.shutdown()
+        _join(target, address or target, common)
+        return
+    ray.init(
+        # "local": a fresh cluster, never the one a `ray start` recorded in
+        # ray_current_cluster (a crashed one leaves a stale address that fails this call).
+        address="local",
+        num_cpus=cfg.trainer.ray_num_cpus or local_cpus(cfg),
+        # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
+        # build_worker_groups then plans on them; trainer.device=cpu hides them from Ray.
+        num_gpus=0 if cfg.device_request == "cpu" else None,
+        include_dashboard=False,
+        # No idle workers started ahead for the driver: the run's workers carry its
+        # runtime env, so those could never serve them, and they cost CPU while Ray starts.
+        _system_config={"prestart_worker_first_driver": False},
+        **common,
+    )
+
+
+class _Background:
+    """``fn(*args)`` in a thread of its own, started at once; :meth:`result` joins it.
+
+    A daemon thread: an interrupted start (Ctrl-C while Ray starts) does not
+    wait for it to finish.
+    """
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any, args: tuple[Any, ...]) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to the caller of result()
+            self._error = exc
+
+    def result(self) -> Any:
+        """What ``fn`` returned, once it has; what it raised is raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _join(target: str, address: str, options: dict[str, Any]) -> None:
@@ -189,8 +220,12 @@ class _Prepared:
     t0: float
 
 
-def _prepare(cfg: Config) -> _Prepared:
-    """Load tokenizer, data, reward function and resume point; write config.yaml."""
+def _prepare(cfg: Config, settings: dict[str, Any] | None = None) -> _Prepared:
+    """Load tokenizer, data, reward function and resume point; write config.yaml.
+
+    ``settings``: what config.yaml records (``to_dict(cfg)`` taken before Ray
+    settles the device and worker count, by default now).
+    """
     import torch
 
     from trainer.checkpoints import store as ckpt
@@ -219,7 +254,7 @@ def _prepare(cfg: Config) -> _Prepared:
         ckpt.resolve_resume(cfg.trainer.resume, run_dir),
         t0,
     )
-    (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
+    (run_dir / "config.yaml").write_text(_yaml(settings or to_dict(cfg)))
     return prepared
 
 

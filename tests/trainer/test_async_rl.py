@@ -97,13 +97,13 @@ def test_the_fingerprint_tells_apart_weights_that_differ_anywhere():
 
 def test_a_fresh_local_cluster_has_room_for_the_rollout_pool():
     """``python -m trainer rollout.staleness=1`` on defaults: one CPU more for the rollout worker."""
-    from trainer.__main__ import _local_cpus
+    from trainer.placement import local_cpus
 
     for device in ("auto", "cpu"):
         plain = load_config([f"trainer.device={device}"])
         pooled = load_config([f"trainer.device={device}", "rollout.staleness=1"])
-        assert _local_cpus(pooled) == _local_cpus(plain) + 1
-    assert _local_cpus(load_config(["trainer.num_workers=2", "rollout.workers=3"])) == 5
+        assert local_cpus(pooled) == local_cpus(plain) + 1
+    assert local_cpus(load_config(["trainer.num_workers=2", "rollout.workers=3"])) == 5
 
 
 def test_the_importance_cap_defaults_on_with_staleness_and_off_without():

@@ -27,6 +27,7 @@ from trainer.data import batch as batch_ops
 from trainer.data.prompts import PromptDataset, PromptLoader
 from trainer.data.rewards import RewardFn, score
 from trainer.loop.rollouts import ColocatedRollouts, PooledRollouts
+from trainer.placement import colocation_mode, pool_count
 from trainer.rollout import episodes
 
 #: Peaks are reported as the largest over data-parallel ranks, not their mean.
@@ -193,19 +194,6 @@ def decode_responses(
             toks = toks[:-1]
         seqs.append(toks)
     return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens)
-
-
-def colocation_mode(cfg: Config, colocate: bool | None = None) -> str:
-    """``trainer.colocate``, or ``none`` when the caller passed ``colocate=False``."""
-    return "none" if colocate is False else cfg.trainer.colocate
-
-
-def pool_count(cfg: Config, colocate: bool | None = None) -> int:
-    """Training pools a run reserves: 2 when the critic has one of its own (colocate=none), else 1.
-
-    The rollout pool (``rollout.workers``) is counted apart: its size is its own.
-    """
-    return 2 if cfg.use_critic and colocation_mode(cfg, colocate) == "none" else 1
 
 
 def plan_on_cluster(cfg: Config, pools: int = 1) -> None:

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer.controller.grant import granted_gpu_ids
+from trainer.placement import CPU_WORKERS
 
 DEVICES = ("auto", "cuda", "cpu")
-CPU_WORKERS = 2
-"""Data-parallel workers on CPU when ``trainer.num_workers=0`` (auto)."""
 
 __all__ = [
     "CPU_WORKERS",
