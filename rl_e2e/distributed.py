@@ -41,6 +41,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rl_e2e.coverage import WorkerCoverage, start_measuring
+
 __all__ = [
     "DistributedRankError",
     "DistributedTimeoutError",
@@ -452,6 +454,16 @@ def _log_directory(log_dir: str | os.PathLike[str] | None) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _merged(measuring: WorkerCoverage | None) -> Iterator[None]:
+    """Merge what the ranks measured once they are gone (nothing with coverage off)."""
+    try:
+        yield
+    finally:
+        if measuring is not None:
+            measuring.merge()
+
+
 @dataclass
 class _Run:
     processes: list[Any] = field(default_factory=list)
@@ -480,6 +492,11 @@ def run_distributed(
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function) and so
     must the return values, which come back as a list indexed by rank.
 
+    While coverage measures the caller, each rank is measured from its start
+    under the caller's configuration, and its data merged beside the caller's
+    data file when the ranks are gone (:mod:`rl_e2e.coverage`); a rank killed
+    after a failure or a timeout keeps nothing.
+
     Each rank's output goes to ``log_dir`` (default: a temporary directory,
     removed at the end); ``on_logs`` is called with the :class:`RankLogs` before
     the ranks start, so a caller can attach them to a report whatever happens.
@@ -502,7 +519,8 @@ def run_distributed(
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    with _log_directory(log_dir) as directory:
+    measuring = start_measuring()
+    with _log_directory(log_dir) as directory, _merged(measuring):
         logs = RankLogs(directory, world_size, backend)
         if on_logs is not None:
             on_logs(logs)
@@ -538,7 +556,8 @@ def run_distributed(
                     name=f"run_distributed-rank{rank}",
                     daemon=True,
                 )
-                proc.start()
+                with measuring.environ() if measuring else contextlib.nullcontext():
+                    proc.start()
                 writer.close()  # the child holds the only write end: EOF when it dies
                 run.processes.append(proc)
                 run.readers[reader] = rank

@@ -38,11 +38,16 @@ Fixtures (scope in brackets), all prefixed ``e2e_``:
   (:func:`rl_e2e.distributed.run_distributed`); each rank's output, and on a hang
   each rank's stack, go into the test's report.
 - ``e2e_distributed_gpu1`` / ``e2e_distributed_gpu2``: the same over NCCL.
+
+While coverage measures the session (``pytest --cov``, ``coverage run -m
+pytest``), what runs in the clusters' workers, the ranks and the submitted jobs
+is measured too and merged into the session's data (:mod:`rl_e2e.coverage`).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -51,6 +56,7 @@ from typing import Any
 
 import pytest
 
+from rl_e2e.coverage import check_start_variable
 from rl_e2e.distributed import RankLogs
 from rl_e2e.netguard import GuardDecision, loopback_guard
 from rl_e2e.ray_job import JobCluster, JobClusterError, head_cluster
@@ -86,6 +92,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Guard first (Ray may start in any test module), then settle the runtime env."""
     config.stash[_GUARD] = loopback_guard()
     try:
+        check_start_variable(os.environ)
         settings = read_settings(config.getini)
         source = source_from_settings(settings)
         runtime_env = source.build()
@@ -274,7 +281,7 @@ def _e2e_ray_between_tests(request: pytest.FixtureRequest) -> Iterator[None]:
     try:
         yield
     finally:
-        test.removed = test.before.remove_new()
+        test.removed = test.before.remove_new(before_kill=cluster.save_coverage)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_e2e.coverage import WorkerCoverage, start_measuring
 from rl_e2e.ray_local import short_temp_root
 
 __all__ = ["JobCluster", "JobClusterError", "head_cluster"]
@@ -72,6 +73,7 @@ class JobCluster:
     log: Path
     env: dict[str, str] = field(repr=False)
     tree: list[Any] = field(default_factory=list, repr=False)
+    coverage: WorkerCoverage | None = field(default=None, repr=False)
 
     def submit(
         self,
@@ -86,7 +88,13 @@ class JobCluster:
         running the job twice; the same for "No available agent" right after
         start-up. The result's ``returncode`` is 0 when the job succeeded, its
         ``stdout`` the job's logs and final status.
+
+        While coverage measures this process, the job's runtime env also
+        carries coverage's start-up variable: its driver and workers are
+        measured, and merged when the cluster stops (:mod:`rl_e2e.coverage`).
         """
+        if self.coverage is not None:
+            runtime_env = self.coverage.runtime_env(runtime_env)
         submission_id = f"e2e-{secrets.token_hex(6)}"
         command = ["job", "submit", "--address", self.url, "--submission-id", submission_id]
         if runtime_env is not None:
@@ -292,6 +300,7 @@ def head_cluster(
         JobClusterError: no attempt came up; the message ends with the log.
     """
     root = Path(tempfile.mkdtemp(prefix="rj", dir=short_temp_root()))
+    cluster: JobCluster | None = None
     token = secrets.token_hex(32)
     env = cluster_env(token)
     log.touch()
@@ -337,11 +346,18 @@ def head_cluster(
                 f"{log.read_text(errors='replace')[-3000:]}"
             )
         cluster = JobCluster(url=url, temp_dir=temp_dir, log=log, env=env)
+        cluster.coverage = start_measuring()
         try:
             yield cluster
         finally:
-            # Workers leave the process group, but stay in the process tree.
-            cluster.tree = _tree(head.pid)
-            _stop(head, cluster.tree, temp_dir, stop_grace_s)
+            try:
+                if cluster.coverage is not None:
+                    cluster.coverage.save()
+            finally:
+                # Workers leave the process group, but stay in the process tree.
+                cluster.tree = _tree(head.pid)
+                _stop(head, cluster.tree, temp_dir, stop_grace_s)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if cluster is not None and cluster.coverage is not None:
+            cluster.coverage.merge()

@@ -20,12 +20,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_e2e.coverage import WorkerCoverage, start_measuring
 from rl_e2e.distributed import tail_text
 from rl_e2e.reaper import start_reaper
 
@@ -46,11 +47,21 @@ class RayCluster:
     num_cpus: int
     num_gpus: int
     runtime_env: dict[str, Any] = field(repr=False)
+    coverage: WorkerCoverage | None = field(default=None, repr=False)
 
     @property
     def logs_dir(self) -> Path:
         """Where Ray writes this cluster's process logs."""
         return self.temp_dir / "session_latest" / "logs"
+
+    def save_coverage(self) -> None:
+        """Have every measured worker save its coverage data now (nothing with coverage off).
+
+        Called before workers are killed (leftover actors removed, shutdown):
+        Ray kills them without letting them exit.
+        """
+        if self.coverage is not None:
+            self.coverage.save()
 
 
 def short_temp_root() -> str:
@@ -72,6 +83,12 @@ def local_cluster(
     is set: at Ray's default of 15 they get a small share of a core beside the
     processes of other tests (pytest-xdist workers, gpusched's other files).
 
+    While coverage measures this process, the workers are measured too
+    (:mod:`rl_e2e.coverage`): ``runtime_env`` gets coverage's start-up variable
+    on its way to ``ray.init`` (the yielded ``runtime_env`` is the one given),
+    the workers save before the shutdown, and their data is merged beside the
+    session's data file after it.
+
     Raises:
         RuntimeError: Ray is already initialised in this process (a test that
             called ``ray.init`` itself, or two cluster fixtures at once).
@@ -83,6 +100,7 @@ def local_cluster(
             "Ray is already initialised in this process: use one e2e_ray fixture at a "
             "time, and do not call ray.init in a test that uses one"
         )
+    measuring = start_measuring()
     saved_address = os.environ.pop("RAY_ADDRESS", None)
     temp_dir = Path(tempfile.mkdtemp(prefix="ray", dir=short_temp_root()))
     reaper = start_reaper()  # Ray's processes inherit its tag
@@ -95,7 +113,7 @@ def local_cluster(
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
                 include_dashboard=False,
-                runtime_env=runtime_env,
+                runtime_env=measuring.runtime_env(runtime_env) if measuring else runtime_env,
                 _temp_dir=str(temp_dir),
                 **init_kwargs,
             )
@@ -109,13 +127,20 @@ def local_cluster(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             runtime_env=runtime_env,
+            coverage=measuring,
         )
     finally:
-        ray.shutdown()
-        reaper.close()  # and anything of the cluster that outlived the shutdown
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        if saved_address is not None:
-            os.environ["RAY_ADDRESS"] = saved_address
+        try:
+            if measuring is not None and ray.is_initialized():
+                measuring.save()
+        finally:
+            ray.shutdown()
+            reaper.close()  # and anything of the cluster that outlived the shutdown
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            if saved_address is not None:
+                os.environ["RAY_ADDRESS"] = saved_address
+            if measuring is not None:
+                measuring.merge()
 
 
 @dataclass(frozen=True)
@@ -131,11 +156,13 @@ class Leftovers:
         actors, groups = _live_actors(), _live_placement_groups()
         return cls(frozenset(actors), frozenset(groups))
 
-    def remove_new(self) -> list[str]:
+    def remove_new(self, before_kill: Callable[[], object] | None = None) -> list[str]:
         """Kill the actors and remove the placement groups created since the snapshot.
 
-        Returns one line for each thing removed (``actor Probe 5f3a...``), so the
-        report can say what a test left behind.
+        ``before_kill`` is called once before the first actor is killed (the
+        plugin has the workers save their coverage data). Returns one line for
+        each thing removed (``actor Probe 5f3a...``), so the report can say what
+        a test left behind.
         """
         import ray
         from ray._raylet import ActorID, PlacementGroupID
@@ -143,11 +170,17 @@ class Leftovers:
 
         removed = []
         worker = ray._private.worker.global_worker
-        for actor_id, class_name in sorted(_live_actors().items()):
-            if actor_id not in self.actors:
-                # What ray.kill does with a handle; a test's handle may be gone.
-                worker.core_worker.kill_actor(ActorID.from_hex(actor_id), True)
-                removed.append(f"actor {class_name} {actor_id}")
+        new_actors = {
+            actor_id: class_name
+            for actor_id, class_name in _live_actors().items()
+            if actor_id not in self.actors
+        }
+        if new_actors and before_kill is not None:
+            before_kill()
+        for actor_id, class_name in sorted(new_actors.items()):
+            # What ray.kill does with a handle; a test's handle may be gone.
+            worker.core_worker.kill_actor(ActorID.from_hex(actor_id), True)
+            removed.append(f"actor {class_name} {actor_id}")
         for group_id in sorted(_live_placement_groups()):
             if group_id not in self.placement_groups:
                 remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))

@@ -25,7 +25,7 @@ from rl_e2e.runtime_env import (
 )
 from rl_e2e.settings import Settings, SettingsError
 
-__all__ = ["RuntimeEnvSource", "load_builder", "source_from_settings"]
+__all__ = ["RuntimeEnvSource", "load_builder", "patched_environ", "source_from_settings"]
 
 
 def load_builder(spec: str, option: str = "rl_e2e_runtime_env") -> Callable[[], Any]:
@@ -49,7 +49,7 @@ def load_builder(spec: str, option: str = "rl_e2e_runtime_env") -> Callable[[], 
 
 
 @contextmanager
-def _host_env(extra: Mapping[str, str]) -> Iterator[None]:
+def patched_environ(extra: Mapping[str, str]) -> Iterator[None]:
     """Set ``extra`` in ``os.environ`` for the duration; restore exactly what was there."""
     saved = {name: os.environ.get(name) for name in extra}
     os.environ.update(extra)
@@ -77,7 +77,7 @@ class RuntimeEnvSource:
             TypeError, ValueError: the builder gave something Ray would refuse
                 (the message names the source).
         """
-        with _host_env(dict(host_env or {})):
+        with patched_environ(dict(host_env or {})):
             built = self.builder()
         return check_runtime_env(built, self.name)
 
