@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_VARIABLE",
     "FILE_VARIABLE",
+    "CoverageNotMergedWarning",
     "SAVE_SIGNAL",
     "START_VARIABLE",
     "WorkerCoverage",
@@ -372,10 +373,11 @@ def _alive(process: Any) -> bool:
         return False
 
 
-def start_measuring(roots: Iterable[Path] = ()) -> WorkerCoverage | None:
+def start_measuring() -> WorkerCoverage | None:
     """A :class:`WorkerCoverage` under the session's configuration, or ``None`` with coverage off.
 
-    ``roots``: local directories Ray copies for the processes (see :func:`copy_roots`).
+    Its data goes beside the session's data file as it is named now (a relative
+    one is taken from the current directory).
     """
     cov = session_coverage()
     if cov is None:
@@ -395,7 +397,6 @@ def start_measuring(roots: Iterable[Path] = ()) -> WorkerCoverage | None:
         directory=directory,
         target=Path(cov.config.data_file).absolute(),
         config=config,
-        roots=list(roots),
     )
 
 
