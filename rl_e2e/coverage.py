@@ -16,9 +16,10 @@ fixtures start processes: the runtime env of ``e2e_ray`` clusters (Ray tasks
 and actors, ``__init__`` included), the environment the ranks of
 ``e2e_distributed`` are spawned with, the runtime env of ``e2e_ray_job`` jobs
 (the job's driver and its workers). The configuration is the session's with
-three changes: each process writes a data file of its own (``parallel``) in a
-private directory, coverage saves on SIGTERM, and this module is loaded as a
-coverage plugin in the process (:func:`coverage_init`).
+four changes: each process writes a data file of its own (``parallel``) in a
+private directory, coverage saves on SIGTERM, its lines carry the static
+context :data:`WORKER_CONTEXT` (a report can leave them out), and this module
+is loaded as a coverage plugin in the process (:func:`coverage_init`).
 
 How their data is kept: a process that exits saves at exit, as coverage always
 does. Ray does not let its workers exit: ``ray.shutdown()`` kills them, and so
@@ -68,6 +69,7 @@ __all__ = [
     "CoverageNotMergedWarning",
     "SAVE_SIGNAL",
     "START_VARIABLE",
+    "WORKER_CONTEXT",
     "WorkerCoverage",
     "check_start_variable",
     "copy_roots",
@@ -80,6 +82,9 @@ __all__ = [
 ]
 
 # coverage.py's own start-up variables, read by the .pth file it installs.
+WORKER_CONTEXT = "rl_e2e-worker"
+"""The static context of what Ray workers, ranks and jobs measured, so a report can tell it
+from the test processes' own (``coverage report --contexts``, ``coverage html --show-contexts``)."""
 CONFIG_VARIABLE = "COVERAGE_PROCESS_CONFIG"
 START_VARIABLE = "COVERAGE_PROCESS_START"
 FILE_VARIABLE = "COVERAGE_FILE"  # overrides a configuration's data_file
@@ -387,6 +392,7 @@ def start_measuring() -> WorkerCoverage | None:
     config.data_file = str(directory / _DATA_NAME)
     config.parallel = True
     config.sigterm = True
+    config.context = f"{config.context}-{WORKER_CONTEXT}" if config.context else WORKER_CONTEXT
     config.plugins = [*config.plugins, __name__]
     config.plugin_options = {**config.plugin_options, __name__: {"directory": str(directory)}}
     if config.source is not None:  # absolute, as the serialized form has them

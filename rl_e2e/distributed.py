@@ -55,6 +55,7 @@ MASTER_ADDR = "127.0.0.1"
 _STACK_WAIT_S = 2.0
 # After a rank failed or finished: how long the others get to exit after SIGTERM.
 _TERM_GRACE_S = 2.0
+_SAVE_EXIT_S = 30.0  # under coverage: how long ranks that reported get to exit (and save) alone
 # How much of each rank's output an error message quotes.
 _TAIL_LINES = 20
 _STACK_SIGNAL = signal.SIGUSR1
@@ -362,6 +363,13 @@ def _trees(processes: list[Any]) -> list[Any]:
     return found
 
 
+def _join_all(processes: list[Any], bound_s: float) -> None:
+    """Wait until every rank has exited, or ``bound_s`` has passed."""
+    deadline = time.monotonic() + bound_s
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+
+
 def _kill_trees(processes: list[Any], grace_s: float) -> None:
     """TERM (then, after ``grace_s``, KILL) every rank's whole tree; reap the ranks."""
     import psutil
@@ -579,6 +587,10 @@ def run_distributed(
         finally:
             for reader in run.readers:
                 reader.close()
+            if finished and measuring is not None:
+                # A rank saves what it measured as it exits, which it does once it has
+                # reported: a TERM in the middle of that save would cut the data file short.
+                _join_all(run.processes, _SAVE_EXIT_S)
             _kill_trees(run.processes, _TERM_GRACE_S if finished else 0)
             del store
 
