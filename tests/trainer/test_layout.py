@@ -19,6 +19,7 @@ STAGES = [
     "fsdp",
     "cli_help",
     "config",
+    "placement",
     "checkpoints",
     "controller",
     "rollout",
