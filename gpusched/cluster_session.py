@@ -235,8 +235,13 @@ def _run(
     history, warning = load_durations(STATE_DIR / HISTORY_FILE, settings["durations_seed"])
     if warning:
         reporter.say(f"gpusched: warning: {warning}")
-    with tempfile.TemporaryDirectory(prefix="gpusched-coverage-") as folder:
-        coverage = Path(folder) if measures else None
+    folder = (
+        tempfile.TemporaryDirectory(prefix="gpusched-coverage-")
+        if measures
+        else contextlib.nullcontext(None)
+    )
+    with folder as made:
+        coverage = Path(made) if made is not None else None
         ran = asyncio.run(
             _collect_and_run(
                 paths,

@@ -19,9 +19,8 @@ from typing import Any
 from gpusched.coverage import COVERAGE_DIR_VARIABLE, DATA_NAME, MANIFEST
 
 
-def coverage_env(root: Path, key: str) -> dict[str, str]:
+def coverage_env(folder: Path) -> dict[str, str]:
     """The variables that send one attempt's measurement to its own folder (made here)."""
-    folder = root / key
     folder.mkdir(parents=True, exist_ok=True)
     return {"COVERAGE_FILE": str(folder / DATA_NAME), COVERAGE_DIR_VARIABLE: str(folder)}
 

@@ -127,9 +127,8 @@ class Child:
     warm: bool = False  # waiting for its cards behind a closed gate
     watcher: asyncio.Task | None = None  # posts Ready once the child reached its gate
     started: float | None = None  # monotonic; set for an early start (begun before the runner)
-    coverage: Path | None = (
-        None  # its coverage folder (a measuring run), dropped with an early start
-    )
+    # Its coverage folder in a measuring run (removed with an early start that is dropped).
+    coverage: Path | None = None
 
     def close_gate(self) -> None:
         if self.watcher is not None:
@@ -224,13 +223,13 @@ def _launch(
         master_port=port,
         tag=tag,
     )
-    if config.coverage is not None:
-        env.update(coverage_env(config.coverage, key))
+    coverage = config.coverage / key if config.coverage is not None else None
+    if coverage is not None:
+        env.update(coverage_env(coverage))
     args = [path, *plugin_args(), f"--gpusched-results={stream}", *config.pytest_args]
     if expect is not None:
         args.append(f"--gpusched-expect={expect}")
     log_path = config.log_dir / log_name(path, config.rootdir)
-    coverage = config.coverage / key if config.coverage is not None else None
     return _Launch(tag, stream, log_path, ray_tmpdir, env, args, coverage)
 
 

@@ -304,7 +304,7 @@ def test_only_files_none_of_whose_attempts_saved_data_are_named(tmp_path):
 
 
 def test_an_attempts_folder_travels_as_plain_files(tmp_path):
-    env = coverage_env(tmp_path / "run", "3-1")
+    env = coverage_env(tmp_path / "run" / "3-1")
     folder = Path(env["GPUSCHED_COVERAGE_DIR"])
     assert env["COVERAGE_FILE"] == str(folder / ".coverage")
     (folder / ".coverage.host.1").write_bytes(b"data")
