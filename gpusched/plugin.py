@@ -211,8 +211,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """A warm-started child waits here for its cards, before any conftest or test module loads."""
+    """A warm-started child waits here for its cards, before any conftest or test module loads.
+
+    In a measuring run, the libraries that conftests and test modules import
+    from here on import without coverage's tracer (:mod:`rl_e2e.untraced_imports`).
+    """
     wait_at_gate()
+    if os.environ.get(COVERAGE_DIR_VARIABLE):
+        from rl_e2e.untraced_imports import install
+
+        install()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -414,8 +414,13 @@ def coverage_init(reg: Any, options: Mapping[str, str]) -> None:
     measured so far and says so with a file (``saved.PID``). In a process that
     ends as a Ray driver (a submitted job's), has the workers save before Ray's
     own exit handler disconnects the driver: Ray then kills the job's workers.
+    The process imports what coverage does not measure without its tracer
+    (:mod:`rl_e2e.untraced_imports`): a worker imports torch and its kin.
     Registers no plugin object.
     """
+    from rl_e2e.untraced_imports import install
+
+    install()
     directory = Path(options["directory"])
 
     def save_now(signum: int, frame: object) -> None:

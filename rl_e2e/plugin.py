@@ -56,7 +56,7 @@ from typing import Any
 
 import pytest
 
-from rl_e2e.coverage import check_start_variable
+from rl_e2e.coverage import check_start_variable, session_coverage
 from rl_e2e.distributed import RankLogs
 from rl_e2e.netguard import GuardDecision, loopback_guard
 from rl_e2e.ray_job import JobCluster, JobClusterError, head_cluster
@@ -64,6 +64,7 @@ from rl_e2e.ray_local import Leftovers, RayCluster, WorkerLogs, local_cluster
 from rl_e2e.runtime_env import describe_runtime_env
 from rl_e2e.settings import OPTIONS, Settings, SettingsError, read_settings
 from rl_e2e.source import RuntimeEnvSource, source_from_settings
+from rl_e2e.untraced_imports import install as install_untraced_imports
 
 __all__ = ["DistributedRunner"]
 
@@ -91,6 +92,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """Guard first (Ray may start in any test module), then settle the runtime env."""
     config.stash[_GUARD] = loopback_guard()
+    if session_coverage() is not None:
+        install_untraced_imports()
     try:
         check_start_variable(os.environ)
         settings = read_settings(config.getini)
