@@ -255,12 +255,14 @@ class CpuUse:
 
 def _cpu_total(times: Any) -> float:
     # A process's own time and that of the children it has reaped (Linux's cutime/cstime).
-    return (
-        times.user
-        + times.system
-        + getattr(times, "children_user", 0.0)
-        + getattr(times, "children_system", 0.0)
-    )
+    return times.user + times.system + _cpu_reaped(times)
+
+
+def _cpu_reaped(times: Any) -> float:
+    return getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
+
+
+_Table = dict[int, tuple[float, int, float, float]]  # pid -> (created, ppid, total, reaped part)
 
 
 @dataclass
@@ -271,7 +273,8 @@ class _Metered:
     tag: str | None
     started: float
     baseline: float  # what the root had used before it was watched (an early start)
-    seen: dict[tuple[int, float], tuple[int, float]] = field(default_factory=dict)
+    # (pid, creation time) -> (ppid, total, the part of total its reaped children make)
+    seen: dict[tuple[int, float], tuple[int, float, float]] = field(default_factory=dict)
     gone: float = 0.0  # CPU seconds of processes that ended without a parent of the job
     last: tuple[float, float] | None = None  # (time, total) of the latest sample
     high: float | None = None  # the highest total so far: the peak counts only what is new
@@ -349,20 +352,23 @@ class CpuMeter:
         if not jobs:
             return
         began = self._clock()
-        table: dict[int, tuple[float, int, float]] = {}  # pid -> (create time, ppid, CPU total)
+        table: _Table = {}
         children: dict[int, list[int]] = {}
         for proc in psutil.process_iter(["ppid", "create_time", "cpu_times"]):
             info = proc.info
             if info["cpu_times"] is None or info["create_time"] is None:
                 continue  # gone meanwhile, or not ours to read
-            table[proc.pid] = (info["create_time"], info["ppid"], _cpu_total(info["cpu_times"]))
+            times = info["cpu_times"]
+            table[proc.pid] = (
+                info["create_time"], info["ppid"], _cpu_total(times), _cpu_reaped(times)
+            )  # fmt: skip
             children.setdefault(info["ppid"], []).append(proc.pid)
         now = (began + self._clock()) / 2  # on a loaded machine one scan can take a while
         members = [self._members(job, table, children) for job in jobs]
         tagged = {job.tag: found for job, found in zip(jobs, members, strict=True) if job.tag}
         if tagged:
             claimed = set().union(*members)
-            for pid, (created, _ppid, _total) in table.items():
+            for pid, (created, _ppid, _total, _reaped) in table.items():
                 if pid not in claimed:
                     tag = self._tag_of(pid, created, now)
                     if tag in tagged:
@@ -374,7 +380,7 @@ class CpuMeter:
     def _members(
         self,
         job: _Metered,
-        table: dict[int, tuple[float, int, float]],
+        table: _Table,
         children: dict[int, list[int]],
     ) -> set[int]:
         found: set[int] = set()
@@ -417,25 +423,44 @@ class CpuMeter:
 def _account(
     job: _Metered,
     found: set[int],
-    table: dict[int, tuple[float, int, float]],
+    table: _Table,
     now: float,
     cores: float,
 ) -> None:
     """Fold one scan's ``found`` processes of ``job`` into its total and peak.
+
+    A process that ended counts through the parent that reaped it (its time is
+    in the parent's reaped children's time), or, with no parent in the job,
+    by its last figure. A parent that never waits for its children (Ray's
+    raylet ignores SIGCHLD, so the kernel reaps its workers) gains nothing
+    when they end: what the parent's reaped time fell short of its ended
+    children's last figures is added too.
 
     A scan reads one process after another: a child read just before it ends
     and its parent read just after reaping it count it twice in that scan,
     and a child gone before its parent reaped it counts in neither. The
     total is right again at the next scan, so the peak measures only what
     rises above the highest total seen, and no more than the machine's cores.
+    (Where the child was read first, its parent's reaped time had already
+    grown when the child is missed, so the child counts twice for good: an
+    over- rather than an underestimate, and rare: a scan reads in pid order.)
     """
-    current = {(pid, table[pid][0]): (table[pid][1], table[pid][2]) for pid in found}
-    alive = {pid for pid, _created in current}
-    for key, (ppid, total) in job.seen.items():
-        if key not in current and ppid not in alive:
+    current = {(pid, table[pid][0]): (table[pid][1], table[pid][2], table[pid][3]) for pid in found}
+    alive = {key[0]: key for key in current}  # pid -> (pid, creation time)
+    ended_children: dict[int, float] = {}  # a live parent's pid -> its ended children's figures
+    for key, (ppid, total, _reaped) in job.seen.items():
+        if key in current:
+            continue
+        if ppid in alive:
+            ended_children[ppid] = ended_children.get(ppid, 0.0) + total
+        else:
             job.gone += total  # no parent of the job reaped it: its time is nowhere else
+    for ppid, expected in ended_children.items():
+        parent = alive[ppid]
+        before = job.seen[parent][2] if parent in job.seen else 0.0
+        job.gone += max(0.0, expected - (current[parent][2] - before))
     job.seen = current
-    total = job.gone + sum(cpu for _ppid, cpu in current.values())
+    total = job.gone + sum(cpu for _ppid, cpu, _reaped in current.values())
     since, before = job.last if job.last is not None else (job.started, job.baseline)
     high = before if job.high is None else job.high
     if now > since and total > high:

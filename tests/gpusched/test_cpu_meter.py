@@ -92,6 +92,46 @@ def test_a_child_that_ended_counts_through_the_parent_that_reaped_it():
     assert BURN * 0.9 <= use.seconds < BURN * 4  # counted once, not twice
 
 
+def test_a_child_its_parent_never_waits_for_still_counts():
+    """Ray's raylet ignores SIGCHLD: the kernel reaps its workers, and their time is in no
+    parent's reaped-children figure, so what the meter last saw of them must count."""
+    meter = CpuMeter()
+    parent = python(
+        f"""
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", {BURNER!r}], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        print(child.stdout.readline().strip(), flush=True)
+        sys.stdin.readline()  # the meter has seen the child: let it end
+        child.stdin.close()
+        while True:  # reaped by the kernel: gone from /proc, no exit status for anyone
+            try:
+                with open(f"/proc/{{child.pid}}/stat") as stat:
+                    stat.read()
+            except FileNotFoundError:
+                break
+            time.sleep(0.01)
+        print("gone", flush=True)
+        sys.stdin.readline()
+        """
+    )
+    try:
+        meter.watch("job", parent.pid, None)
+        wait_line(parent, "burnt")
+        meter.sample()  # the child alive, with its 0.5 s
+        assert parent.stdin is not None
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        wait_line(parent, "gone")
+        meter.sample()
+        use = meter.stop("job")
+    finally:
+        end(parent)
+    assert use is not None
+    assert BURN * 0.9 <= use.seconds < BURN * 4
+
+
 def test_a_tagged_process_that_left_the_tree_is_counted():
     """Ray's daemons start their own session and outlive their parent; they keep the tag."""
     meter = CpuMeter()
