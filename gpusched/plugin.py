@@ -24,6 +24,7 @@ import io
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -211,13 +212,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """A warm-started child waits here for its cards, before any conftest or test module loads.
-
-    In a measuring run, the libraries that conftests and test modules import
-    from here on import without coverage's tracer (:mod:`rl_e2e.untraced_imports`).
-    """
+    """A warm-started child waits here for its cards, before any conftest or test module loads."""
     wait_at_gate()
-    if os.environ.get(COVERAGE_DIR_VARIABLE):
+
+
+@pytest.hookimpl(specname="pytest_load_initial_conftests")
+def pytest_load_initial_conftests_untraced(early_config: pytest.Config) -> None:
+    """In a file's process that a measuring run measures, the libraries that conftests and
+    test modules import import without coverage's tracer (:mod:`rl_e2e.untraced_imports`).
+
+    After pytest-cov started measuring (its hook runs first), before the conftests load.
+    A pytest that a test starts inherits the run's variable but is not measured: it
+    imports nothing here.
+    """
+    coverage = sys.modules.get("coverage")
+    if os.environ.get(COVERAGE_DIR_VARIABLE) and coverage and coverage.Coverage.current():
         from rl_e2e.untraced_imports import install
 
         install()

@@ -208,6 +208,39 @@ def test_coverage_off_changes_nothing_in_the_files(make_suite, run_gpusched, tmp
     assert not list(tmp_path.glob(".coverage*"))
 
 
+def test_a_measured_file_imports_libraries_untraced_and_a_pytest_it_starts_does_not(
+    make_suite, run_gpusched, tmp_path
+):
+    make_suite(
+        {
+            "pkg/__init__.py": "",
+            "tests/test_nested.py": """
+                import json, subprocess, sys
+
+                NESTED = (
+                    "import sys, pytest\\n"
+                    "pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', 'nothing'])\\n"
+                    "print('rl_e2e' in sys.modules)\\n"
+                )
+
+                def test_nested(tmp_path):
+                    from rl_e2e.untraced_imports import installed
+
+                    (tmp_path / "nothing").mkdir()
+                    nested = subprocess.run(
+                        [sys.executable, "-c", NESTED], cwd=tmp_path, capture_output=True,
+                        text=True, check=True,
+                    )
+                    seen = {"here": installed(), "nested": nested.stdout.split()[-1]}
+                    open("seen.json", "w").write(json.dumps(seen))
+            """,
+        }
+    )
+    result = run_gpusched("run", "tests", "--", "--cov=pkg")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"here": True, "nested": "False"}
+
+
 def test_a_coverage_config_that_cannot_be_read_is_a_usage_error(make_suite, run_gpusched):
     package_suite(make_suite, 1)
     result = run_gpusched("run", "tests", "--", "--cov=pkg", "--cov-config=missing.cfg")
