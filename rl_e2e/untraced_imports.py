@@ -22,9 +22,10 @@ on Python 3.12+, which has no such cost) the finder does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
@@ -63,27 +64,27 @@ class _Loader:
         module.__loader__ = self._loader
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
-        stopped = getattr(_paused, "tracer", None)
-        if self._measured and stopped is not None:
-            _paused.tracer = None  # a measured module inside a quiet import: trace its body
-            stopped.start()
-            try:
+        paused = getattr(_paused, "tracer", None)
+        if self._measured and paused is not None:  # a measured module inside a quiet import
+            with _tracing(paused, on=True):
                 self._loader.exec_module(module)
-            finally:
-                stopped.stop()
-                _paused.tracer = stopped
-            return
-        tracer = None if self._measured or stopped is not None else _coverage_tracer()
-        if tracer is None:
+        elif not self._measured and paused is None and (tracer := _coverage_tracer()):
+            with _tracing(tracer, on=False):
+                self._loader.exec_module(module)
+        else:
             self._loader.exec_module(module)
-            return
-        tracer.stop()
-        _paused.tracer = tracer
-        try:
-            self._loader.exec_module(module)
-        finally:
-            _paused.tracer = None
-            tracer.start()
+
+
+@contextlib.contextmanager
+def _tracing(tracer: Any, on: bool) -> Iterator[None]:
+    """This thread's ``tracer`` switched on (or off) meanwhile; ``_paused`` says which is paused."""
+    (tracer.start if on else tracer.stop)()
+    _paused.tracer = None if on else tracer
+    try:
+        yield
+    finally:
+        (tracer.stop if on else tracer.start)()
+        _paused.tracer = tracer if on else None
 
 
 class _ModuleFrame:
