@@ -4,7 +4,8 @@ Used by tests (and benchmarks) that need real collectives without Ray: each rank
 is a fresh ``spawn`` process, so CUDA and gloo state never leak between runs.
 
 Failure handling is the point of this module. The caller always gets control
-back within ``timeout_s``, and what it gets explains what happened:
+back within ``startup_timeout_s`` plus ``timeout_s``, and what it gets explains
+what happened:
 
 - a rank that raises: its traceback, naming the rank, with the tail of every
   other rank's output;
@@ -13,6 +14,12 @@ back within ``timeout_s``, and what it gets explains what happened:
 - a hang (the timeout, or the caller interrupted by pytest-timeout or Ctrl-C):
   every live rank's Python stack at that moment, dumped by ``faulthandler``
   armed in each rank, then every rank's whole process tree is killed.
+
+The two timeouts are apart so that a tight one is not flaky: ``timeout_s``
+counts from the moment every rank has joined the group, so a rank that never
+arrives at a collective is cut that long after the others started waiting for
+it, however long the imports took on a loaded machine; ``startup_timeout_s``
+bounds the start-up itself (spawning, imports, the rendezvous).
 
 The rendezvous cannot race with another run on the machine: the caller holds
 the ``TCPStore`` on a port the OS gave it (port 0), and the ranks connect to
@@ -56,6 +63,11 @@ _STACK_WAIT_S = 2.0
 # After a rank failed or finished: how long the others get to exit after SIGTERM.
 _TERM_GRACE_S = 2.0
 _SAVE_EXIT_S = 30.0  # under coverage: how long ranks that reported get to exit (and save) alone
+#: Default bound on start-up: spawning, imports, unpickling ``fn`` and ``args``, the rendezvous.
+STARTUP_TIMEOUT_S = 300.0
+# The group's own timeout is longer than the run's, so that the caller cuts a hang
+# (with every rank's stack) before a waiting rank's collective raises on its own.
+_COLLECTIVE_GRACE_S = 30.0
 # How much of each rank's output an error message quotes.
 _TAIL_LINES = 20
 _STACK_SIGNAL = signal.SIGUSR1
@@ -100,26 +112,45 @@ class DistributedTimeoutError(TimeoutError):
     """:func:`run_distributed` did not finish within its timeout.
 
     ``pending`` lists the ranks that had not returned; ``stacks`` maps each of
-    them to the Python stack it dumped when the timeout fired.
+    them to the Python stack it dumped when the timeout fired. ``not_joined``
+    is empty when the run timed out (``timeout_s`` after every rank joined),
+    and lists the ranks that had not joined the group when start-up did
+    (``startup_timeout_s`` after the start).
     """
 
     def __init__(
-        self, timeout_s: float, pending: list[int], stacks: dict[int, str] | None = None
+        self,
+        timeout_s: float,
+        pending: list[int],
+        stacks: dict[int, str] | None = None,
+        not_joined: list[int] | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.pending = pending
         self.stacks = dict(stacks or {})
-        text = f"run_distributed timed out after {timeout_s:g} s; ranks still running: {pending}"
+        self.not_joined = list(not_joined or [])
+        if self.not_joined:
+            text = (
+                f"run_distributed: ranks {self.not_joined} did not join the process group "
+                f"within {timeout_s:g} s of the start (startup_timeout_s); ranks still "
+                f"running: {pending}"
+            )
+        else:
+            text = (
+                f"run_distributed timed out after {timeout_s:g} s; ranks still running: {pending}"
+            )
         for rank in pending:
             stack = self.stacks.get(rank, "").strip() or (
-                "(no stack: the rank had not started running fn yet; start-up counts "
-                "in the timeout)"
+                "(no stack: the rank had not started running fn yet)"
             )
             text += f"\n\nStack of rank {rank} at the timeout:\n{stack}"
         super().__init__(text)
 
     def __reduce__(self):
-        return (DistributedTimeoutError, (self.timeout_s, self.pending, self.stacks))
+        return (
+            DistributedTimeoutError,
+            (self.timeout_s, self.pending, self.stacks, self.not_joined),
+        )
 
 
 @dataclass
@@ -209,6 +240,13 @@ class _Outcome:
     failed_at: float = 0.0  # time.time() of the failure, to find the first one
 
 
+@dataclass(frozen=True)
+class _Joined:
+    """What a rank sends once it is in the group, before it runs ``fn``."""
+
+    rank: int
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
     if not sys.platform.startswith("linux"):
@@ -243,6 +281,7 @@ def _rank_main(
     port: int,
     backend: str,
     timeout_s: float,
+    startup_timeout_s: float,
     conn: Connection,
     logs: RankLogs,
     parent_pid: int,
@@ -278,15 +317,19 @@ def _rank_main(
             if backend == "nccl":
                 torch.cuda.set_device(rank)
             store = dist.TCPStore(
-                MASTER_ADDR, port, is_master=False, timeout=timedelta(seconds=timeout_s)
+                MASTER_ADDR,
+                port,
+                is_master=False,
+                timeout=timedelta(seconds=startup_timeout_s + timeout_s),
             )
             dist.init_process_group(
                 backend,
                 store=store,
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
+                timeout=timedelta(seconds=timeout_s + _COLLECTIVE_GRACE_S),
             )
+            conn.send(_Joined(rank))
             outcome = _Outcome(rank, True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
             outcome = _failure(rank, exc)
@@ -314,7 +357,11 @@ def _failure(rank: int, exc: BaseException) -> _Outcome:
 
 
 def check_arguments(
-    fn: Callable[..., Any], world_size: object, backend: str, timeout_s: object
+    fn: Callable[..., Any],
+    world_size: object,
+    backend: str,
+    timeout_s: object,
+    startup_timeout_s: object = STARTUP_TIMEOUT_S,
 ) -> None:
     """Refuse bad arguments before anything is spawned, naming the argument.
 
@@ -328,6 +375,8 @@ def check_arguments(
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not (isinstance(timeout_s, int | float) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    if not (isinstance(startup_timeout_s, int | float) and startup_timeout_s > 0):
+        raise ValueError(f"startup_timeout_s must be a number > 0, got {startup_timeout_s!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl":
@@ -474,6 +523,7 @@ def _merged(measuring: WorkerCoverage | None) -> Iterator[None]:
 
 @dataclass
 class _Run:
+    started: float = field(default_factory=time.monotonic)
     processes: list[Any] = field(default_factory=list)
     readers: dict[Connection, int] = field(default_factory=dict)
     values: dict[int, Any] = field(default_factory=dict)
@@ -487,6 +537,7 @@ def run_distributed(
     timeout_s: float = 120,
     log_dir: str | os.PathLike[str] | None = None,
     on_logs: Callable[[RankLogs], None] | None = None,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
@@ -517,12 +568,14 @@ def run_distributed(
             before ranks that raised at the same moment, since their errors are
             usually its consequence. All other ranks are killed.
         DistributedTimeoutError: not every rank finished within ``timeout_s``
-            seconds (start-up included); it carries the stack of every rank
+            seconds of the moment the last rank joined the group, or not every
+            rank joined within ``startup_timeout_s`` seconds of the start
+            (``not_joined`` names those); it carries the stack of every rank
             still running, and every rank is killed.
         ValueError, TypeError: bad arguments, before anything is spawned.
     """
     __tracebackhide__ = True  # pytest shows the caller, not these frames
-    check_arguments(fn, world_size, backend, timeout_s)
+    check_arguments(fn, world_size, backend, timeout_s, startup_timeout_s)
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -539,11 +592,10 @@ def run_distributed(
             0,
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=startup_timeout_s + timeout_s),
         )
         run = _Run()
         finished = False
-        deadline = time.monotonic() + timeout_s  # start-up counts
         try:
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
@@ -555,6 +607,7 @@ def run_distributed(
                         store.port,
                         backend,
                         timeout_s,
+                        startup_timeout_s,
                         writer,
                         logs,
                         os.getpid(),
@@ -569,7 +622,7 @@ def run_distributed(
                 writer.close()  # the child holds the only write end: EOF when it dies
                 run.processes.append(proc)
                 run.readers[reader] = rank
-            result = _collect(run, logs, world_size, timeout_s, deadline)
+            result = _collect(run, logs, timeout_s, run.started + startup_timeout_s)
             finished = True
             return result
         except (DistributedTimeoutError, DistributedRankError):
@@ -595,35 +648,51 @@ def run_distributed(
             del store
 
 
-def _collect(
-    run: _Run, logs: RankLogs, world_size: int, timeout_s: float, deadline: float
-) -> list[Any]:
-    """Wait for every rank's outcome; raise for the first failure, a death or the timeout."""
+def _collect(run: _Run, logs: RankLogs, timeout_s: float, startup_deadline: float) -> list[Any]:
+    """Wait for every rank's outcome; raise for the first failure, a death or a timeout.
+
+    Until every rank has joined the group the deadline is ``startup_deadline``;
+    from then on it is ``timeout_s`` after the last rank joined.
+    """
     __tracebackhide__ = True  # pytest shows the caller, not these frames
+    world_size = len(run.processes)
+    joined: set[int] = set()
+    deadline = startup_deadline
     while len(run.values) < world_size:
         remaining = deadline - time.monotonic()
         pending = [r for r in range(world_size) if r not in run.values]
         if remaining <= 0:
             live = [r for r in pending if run.processes[r].is_alive()]
-            raise DistributedTimeoutError(
-                timeout_s, pending, _take_stacks(run.processes, live, logs)
-            )
+            stacks = _take_stacks(run.processes, live, logs)
+            if len(joined) < world_size:
+                not_joined = [r for r in range(world_size) if r not in joined]
+                raise DistributedTimeoutError(
+                    startup_deadline - run.started, pending, stacks, not_joined
+                )
+            raise DistributedTimeoutError(timeout_s, pending, stacks)
         ready = wait(list(run.readers), timeout=remaining)
         failures: list[_Outcome] = []
         dead: list[int] = []
         for reader in ready:
-            rank = run.readers.pop(reader)
+            rank = run.readers[reader]
             try:
-                outcome: _Outcome = reader.recv()
+                message = reader.recv()
             except EOFError:
                 dead.append(rank)
-                continue
-            finally:
+                del run.readers[reader]
                 reader.close()
-            if outcome.ok:
-                run.values[rank] = pickle.loads(outcome.payload)
+                continue
+            if isinstance(message, _Joined):
+                joined.add(rank)
+                if len(joined) == world_size:
+                    deadline = time.monotonic() + timeout_s
+                continue
+            del run.readers[reader]
+            reader.close()
+            if message.ok:
+                run.values[rank] = pickle.loads(message.payload)
             else:
-                failures.append(outcome)
+                failures.append(message)
         if dead:
             run.processes[dead[0]].join(_TERM_GRACE_S)
             _died(dead[0], run.processes[dead[0]].exitcode, logs)

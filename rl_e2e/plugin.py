@@ -317,15 +317,24 @@ class DistributedRunner:
     runs: int = 0
 
     def __call__(
-        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = None
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *args: Any,
+        timeout_s: float | None = None,
+        startup_timeout_s: float | None = None,
     ) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
-        Raises what :func:`rl_e2e.distributed.run_distributed` raises; a
-        ``world_size`` above the cards of a GPU variant is a ``ValueError``.
+        ``timeout_s`` (default ``rl_e2e_rank_timeout``) counts from the moment
+        every rank has joined the group; ``startup_timeout_s`` bounds the
+        start-up before it (default
+        :data:`rl_e2e.distributed.STARTUP_TIMEOUT_S`). Raises what
+        :func:`rl_e2e.distributed.run_distributed` raises; a ``world_size``
+        above the cards of a GPU variant is a ``ValueError``.
         """
         __tracebackhide__ = True
-        from rl_e2e.distributed import run_distributed
+        from rl_e2e.distributed import STARTUP_TIMEOUT_S, run_distributed
 
         if self.max_world_size is not None and world_size > self.max_world_size:
             raise ValueError(
@@ -341,6 +350,7 @@ class DistributedRunner:
             timeout_s=self.timeout_s if timeout_s is None else timeout_s,
             log_dir=self.log_root / f"ranks{self.runs}",
             on_logs=self.record,
+            startup_timeout_s=startup_timeout_s or STARTUP_TIMEOUT_S,
         )
 
 

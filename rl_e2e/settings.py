@@ -85,8 +85,8 @@ OPTIONS: tuple[IniOption, ...] = (
         "rl_e2e_rank_timeout",
         "string",
         "600",
-        "Seconds an e2e_distributed run may take before every rank's stack is dumped and "
-        "the ranks are killed.",
+        "Seconds an e2e_distributed run may take, from the moment every rank has joined "
+        "the group, before every rank's stack is dumped and the ranks are killed.",
     ),
     IniOption(
         "rl_e2e_log_bytes",

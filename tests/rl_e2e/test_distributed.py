@@ -58,6 +58,26 @@ def _sleep_forever(rank: int, world_size: int) -> None:
     time.sleep(3600)
 
 
+def _sleep_briefly(rank: int, world_size: int, pause_s: float) -> int:
+    time.sleep(pause_s)
+    return rank
+
+
+def _after_sleeping(seconds: float, value: float) -> float:
+    time.sleep(seconds)
+    return value
+
+
+class _SlowToUnpickle:
+    """Unpickles to ``value`` after ``seconds``: a slow start-up, in the rank before it joins."""
+
+    def __init__(self, seconds: float, value: float) -> None:
+        self.seconds, self.value = seconds, value
+
+    def __reduce__(self):
+        return (_after_sleeping, (self.seconds, self.value))
+
+
 def _children_of_this_process() -> list[psutil.Process]:
     """Live descendants, except multiprocessing's resource tracker (one per
     parent process, started by the first spawn and kept by design)."""
@@ -118,11 +138,34 @@ def test_timeout_kills_every_rank() -> None:
     assert _children_of_this_process() == []
 
 
+def test_the_timeout_counts_from_the_moment_every_rank_joined() -> None:
+    """A start-up longer than ``timeout_s`` (4 s of unpickling) does not eat into it."""
+    start = time.monotonic()
+    out = run_distributed(_sleep_briefly, 2, _SlowToUnpickle(4.0, 0.5), timeout_s=3)
+    assert out == [0, 1]
+    assert time.monotonic() - start > 4
+    assert _children_of_this_process() == []
+
+
+def test_a_start_up_past_its_bound_names_the_ranks_that_never_joined() -> None:
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(_sleep_briefly, 2, _SlowToUnpickle(3600, 0.5), startup_timeout_s=2)
+    err = info.value
+    assert err.not_joined == [0, 1] and err.pending == [0, 1]
+    assert "ranks [0, 1] did not join the process group within 2 s of the start" in str(err)
+    assert "(no stack: the rank had not started running fn yet)" in str(err)
+    assert _children_of_this_process() == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
         ({"world_size": 2, "timeout_s": 0}, "timeout_s must be a number > 0, got 0"),
+        (
+            {"world_size": 2, "startup_timeout_s": -1},
+            "startup_timeout_s must be a number > 0, got -1",
+        ),
         ({"world_size": 2, "backend": "mpi"}, "backend must be 'gloo' or 'nccl', got 'mpi'"),
     ],
 )

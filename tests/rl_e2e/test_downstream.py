@@ -30,8 +30,8 @@ import psutil
 import pytest
 from deadlines import hang_guard
 
-# Four runs of 30 s to 3 min each on a quiet machine (failing/ waits out two 60 s hangs);
-# the two failing/ runs go side by side.
+# Four runs of 30 s to 3 min each on a quiet machine (failing/ waits out a 60 s and a
+# 10 s hang); the two failing/ runs go side by side.
 RUN_BOUND_S = 200
 pytestmark = pytest.mark.timeout(hang_guard(4 * RUN_BOUND_S))
 
@@ -130,7 +130,7 @@ def failing_runs(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, tuple[Started, Path]]]:
     """``failing/`` under pytest and under gpusched, started together: most of each run is
-    two hangs waited out (60 s each), which the two runs then wait out side by side."""
+    two hangs waited out (60 s and 10 s), which the two runs then wait out side by side."""
     root = tmp_path_factory.mktemp("failing")
     junit = {name: root / f"{name}.xml" for name in ("pytest", "gpusched")}
     commands = {
@@ -190,7 +190,7 @@ def _check_console(output: str) -> None:
     )
 
     timed_out = blocks["test_a_hang_cut_by_the_runners_timeout"]
-    assert "run_distributed timed out after 60 s; ranks still running: [0, 1]" in timed_out
+    assert "run_distributed timed out after 10 s; ranks still running: [0, 1]" in timed_out
     stack = timed_out.split("Stack of rank 1 at the timeout:", 1)[1]
     assert "in wait_for_weights" in stack.split("Stack of rank", 1)[0]
 
