@@ -55,6 +55,11 @@ def test_greedy_tokens_equal_hf_generate_and_follow_pushed_weights(model_dir):
     assert not torch.equal(out["stale"], after_hf)
     assert torch.equal(after_vllm, after_hf)
     assert out["mask"].sum() > 0
+    # The sampled tokens' log-probs came back (vLLM ranked them: its log-prob helper
+    # ran), and on CPU nothing went through TorchDynamo: no compile at start-up.
+    assert out["log_probs"].shape == out["mask"].shape
+    assert torch.isfinite(out["log_probs"][out["mask"].bool()]).all()
+    assert out["dynamo"] == {}, out["dynamo"]
 
 
 def test_two_gloo_ranks_each_sample_with_their_own_engine_and_stay_in_sync(model_dir):

@@ -85,6 +85,8 @@ def greedy_against_hf(rank: int, world: int, model_dir: str, device_type: str) -
         "stale": stale["responses"],
         "after": (after_vllm["responses"], after_hf["responses"]),
         "mask": after_vllm["response_mask"],
+        "log_probs": after_vllm["rollout_log_probs"],
+        "dynamo": dict(torch._dynamo.utils.counters["stats"]),
     }
 
 

@@ -260,6 +260,23 @@ def _join_world_env() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
 
 
+def _no_compile_on_cpu() -> None:
+    """Turn TorchDynamo off in this process: vLLM's helpers then run as plain PyTorch.
+
+    The engine runs eager (``enforce_eager``), but a few of vLLM's helpers are
+    ``torch.compile``'d on their own; on CPU the log-prob rank count
+    (``batched_count_greater_than``, an integer count that eager computes
+    identically) compiles with inductor and a C++ compiler at its first call
+    and again at the first new batch shape: about 2.5 s of CPU per engine with
+    a warm inductor cache, 11 s on a machine's first run, for nothing the
+    trainer uses faster. Process-wide, so only for a worker whose engine is on
+    CPU; the trainer compiles nothing of its own.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` in this rank's process, fed the actor's weights after every update."""
 
@@ -278,6 +295,7 @@ class VLLMEngine:
         require_vllm()
         if device.type == "cpu":
             check_cpu_shape(model_path, _cpu_head_dims())
+            _no_compile_on_cpu()
         _join_world_env()
         # The engine core runs in this process: weights and RPCs pass by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
