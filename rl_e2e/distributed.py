@@ -16,10 +16,10 @@ what happened:
   armed in each rank, then every rank's whole process tree is killed.
 
 The two timeouts are apart so that a tight one is not flaky: ``timeout_s``
-counts from the moment every rank has joined the group, so a rank that never
-arrives at a collective is cut that long after the others started waiting for
-it, however long the imports took on a loaded machine; ``startup_timeout_s``
-bounds the start-up itself (spawning, imports, the rendezvous).
+counts from the moment the last rank joined the group, so a rank that never
+arrives at a collective is cut ``timeout_s`` into ``fn``, however long the
+imports took on a loaded machine; ``startup_timeout_s`` bounds the start-up
+itself (spawning, imports, the rendezvous).
 
 The rendezvous cannot race with another run on the machine: the caller holds
 the ``TCPStore`` on a port the OS gave it (port 0), and the ranks connect to
