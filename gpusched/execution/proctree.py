@@ -212,13 +212,19 @@ def kill_job(
         return KillReport(len(killed), survivors, found.pids)
 
     _signal_all(procs, pgid, signal.SIGTERM)
+    # Each process gets one TERM: a second one reaching a process that is exiting
+    # after its handler ran (Python restores the default action as it finalises)
+    # would end it there, in the middle of what it does on TERM (a coverage save).
+    termed = set(procs)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not (hurry and hurry.is_set()):
         procs = found.scan()
         killed.update(procs)
         if not procs:
             return report()
-        _signal_all(procs, None, signal.SIGTERM)  # newcomers forked during the grace period
+        newcomers = [proc for proc in procs if proc not in termed]  # forked during the grace
+        _signal_all(newcomers, None, signal.SIGTERM)
+        termed.update(newcomers)
         _wait_exit(procs, _POLL)
     deadline = time.monotonic() + bound
     while True:

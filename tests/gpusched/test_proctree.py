@@ -33,6 +33,17 @@ while not term_at or time.monotonic() - term_at[0] < 0.5:
 sys.exit(0)
 """
 
+# Counts the TERMs it gets until it ends, 0.5 s after the first; its exit status is the count.
+COUNTS_TERMS = """
+import signal, sys, time
+term_at = []
+signal.signal(signal.SIGTERM, lambda *_: term_at.append(time.monotonic()))
+print("ready", flush=True)
+while not term_at or time.monotonic() - term_at[0] < 0.5:
+    time.sleep(0.01)
+sys.exit(len(term_at))
+"""
+
 # Ignores SIGTERM: only the KILL round ends it.
 IGNORES_TERM = """
 import signal, time
@@ -80,6 +91,21 @@ def hidden_after_first_scan(monkeypatch):
 
 def _tag() -> str:
     return f"proctree-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@pytest.mark.timeout(hang_guard(60))
+def test_each_process_is_termed_once_while_it_exits():
+    """A second TERM would reach a process in the middle of what it does on TERM (or, once
+    Python has restored the default action as it finalises, end it with -15)."""
+    tag = _tag()
+    child = _start_tagged(COUNTS_TERMS, tag)
+    try:
+        report = kill_job(None, None, tag, grace=10.0)
+        assert child.wait(timeout=hang_guard(5)) == 1, "TERMs received (exit status)"
+        assert report.survivors == () and report.found == 1
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.timeout(hang_guard(60))
