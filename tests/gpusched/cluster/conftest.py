@@ -232,10 +232,23 @@ class StartedCluster:
         assert process.returncode == 0, out
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on now, never handed out before by this process.
+
+    The probe's socket is closed at once, so the kernel may offer the same port to
+    the next probe: two servers of one ``ray start`` given the same port make Ray
+    refuse to start ("is trying to use a port number ... used by other components").
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _node_ports() -> list[str]:
