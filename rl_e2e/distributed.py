@@ -622,7 +622,7 @@ def run_distributed(
                 writer.close()  # the child holds the only write end: EOF when it dies
                 run.processes.append(proc)
                 run.readers[reader] = rank
-            result = _collect(run, logs, timeout_s, run.started + startup_timeout_s)
+            result = _collect(run, logs, timeout_s, startup_timeout_s)
             finished = True
             return result
         except (DistributedTimeoutError, DistributedRankError):
@@ -648,16 +648,16 @@ def run_distributed(
             del store
 
 
-def _collect(run: _Run, logs: RankLogs, timeout_s: float, startup_deadline: float) -> list[Any]:
+def _collect(run: _Run, logs: RankLogs, timeout_s: float, startup_timeout_s: float) -> list[Any]:
     """Wait for every rank's outcome; raise for the first failure, a death or a timeout.
 
-    Until every rank has joined the group the deadline is ``startup_deadline``;
-    from then on it is ``timeout_s`` after the last rank joined.
+    Until every rank has joined the group the deadline is ``startup_timeout_s``
+    after the start; from then on it is ``timeout_s`` after the last rank joined.
     """
     __tracebackhide__ = True  # pytest shows the caller, not these frames
     world_size = len(run.processes)
     joined: set[int] = set()
-    deadline = startup_deadline
+    deadline = run.started + startup_timeout_s
     while len(run.values) < world_size:
         remaining = deadline - time.monotonic()
         pending = [r for r in range(world_size) if r not in run.values]
@@ -666,9 +666,7 @@ def _collect(run: _Run, logs: RankLogs, timeout_s: float, startup_deadline: floa
             stacks = _take_stacks(run.processes, live, logs)
             if len(joined) < world_size:
                 not_joined = [r for r in range(world_size) if r not in joined]
-                raise DistributedTimeoutError(
-                    startup_deadline - run.started, pending, stacks, not_joined
-                )
+                raise DistributedTimeoutError(startup_timeout_s, pending, stacks, not_joined)
             raise DistributedTimeoutError(timeout_s, pending, stacks)
         ready = wait(list(run.readers), timeout=remaining)
         failures: list[_Outcome] = []

@@ -334,7 +334,7 @@ class DistributedRunner:
         above the cards of a GPU variant is a ``ValueError``.
         """
         __tracebackhide__ = True
-        from rl_e2e.distributed import STARTUP_TIMEOUT_S, run_distributed
+        from rl_e2e.distributed import run_distributed
 
         if self.max_world_size is not None and world_size > self.max_world_size:
             raise ValueError(
@@ -350,7 +350,7 @@ class DistributedRunner:
             timeout_s=self.timeout_s if timeout_s is None else timeout_s,
             log_dir=self.log_root / f"ranks{self.runs}",
             on_logs=self.record,
-            startup_timeout_s=startup_timeout_s or STARTUP_TIMEOUT_S,
+            **({} if startup_timeout_s is None else {"startup_timeout_s": startup_timeout_s}),
         )
 
 
