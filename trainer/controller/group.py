@@ -131,7 +131,9 @@ class RoleGroup:
         t0 = time.perf_counter()
         split = split_call(spec.mode, self.world_size, args, kwargs, f"{self.role}.{name}")
         refs = [
-            self.hosts[rank].timed_call.remote(self.role, name, *split.args[i], **split.kwargs[i])
+            getattr(self.hosts[rank], "kept_call" if spec.resident else "timed_call").remote(
+                self.role, name, *split.args[i], **split.kwargs[i]
+            )
             for i, rank in enumerate(split.ranks)
         ]
         ledger.record_submit(time.perf_counter() - t0, [*split.args, *split.kwargs])
@@ -140,7 +142,9 @@ class RoleGroup:
             t1 = time.perf_counter()
             timed = _gather(refs, split.ranks, self.role, name)
             t2 = time.perf_counter()
-            result = collect_results(spec.mode, [t.result for t in timed], split.pad_size)
+            result = collect_results(
+                spec.mode, [t.result for t in timed], split.pad_size, split.real_rows
+            )
             ledger.record_finish(t2 - t1, time.perf_counter() - t2, timed)
             return result
 

@@ -6,7 +6,9 @@ share a process (and its ``torch.distributed`` group and device). With
 ``colocate="actor"`` each role has a host of its own per bundle, holding a
 fraction of the bundle (see ``trainer/controller/colocation.py``). The driver reaches a role's method
 through :meth:`WorkerHost.call` with the role name; users only ever see the
-group's proxies, named after the worker methods.
+group's proxies, named after the worker methods. Parts of a resident batch
+arrive as plans and are read from the object store here, before the method
+runs (:mod:`trainer.controller.resident`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from trainer.controller import ledger
 from trainer.controller.errors import WorkerError
 from trainer.controller.rendezvous import free_port
+from trainer.controller.resident import ShardPlan, keep, resolve
 from trainer.controller.worker import Worker, WorkerContext, create_worker
 
 __all__ = ["WorkerHost"]
@@ -34,6 +37,8 @@ class WorkerHost:
     def __init__(self, rank: int, num_threads: int | None) -> None:
         self._rank = rank
         self._workers: dict[str, Worker] = {}
+        self._store_s = 0.0
+        """Seconds the current call spent reading and writing resident batches."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
 
@@ -69,17 +74,41 @@ class WorkerHost:
         take keyword arguments of those names.
         """
         try:
+            t0 = time.perf_counter()
+            args = tuple(resolve(a) if isinstance(a, ShardPlan) else a for a in args)
+            kwargs = {k: resolve(v) if isinstance(v, ShardPlan) else v for k, v in kwargs.items()}
+            self._store_s += time.perf_counter() - t0
             return getattr(self._workers[role], method)(*args, **kwargs)
         except Exception:
             raise WorkerError(role, self._rank, method, traceback.format_exc()) from None
 
     def timed_call(self, role: str, method: str, /, *args: Any, **kwargs: Any) -> ledger.Timed:
-        """:meth:`call`, with the seconds the method took here and, of those, its device copies.
+        """:meth:`call`, with the seconds it took here and, of those, device copies and object-store reads.
 
         What the role groups use: the driver's ledger subtracts the workers'
         own time from the time it waited (``trainer.controller.ledger``).
         """
         ledger.copy_seconds(reset=True)
+        self._store_s = 0.0
         t0 = time.perf_counter()
         result = self.call(role, method, *args, **kwargs)
-        return ledger.Timed(result, time.perf_counter() - t0, ledger.copy_seconds())
+        seconds = time.perf_counter() - t0
+        return ledger.Timed(result, seconds, ledger.copy_seconds(), self._store_s)
+
+    def kept_call(self, role: str, method: str, /, *args: Any, **kwargs: Any) -> ledger.Timed:
+        """:meth:`timed_call` whose TensorDict result stays here, in the object store.
+
+        The driver gets references (:func:`trainer.controller.resident.keep`);
+        a role whose dispatch spec says ``resident=True`` is called this way.
+        The puts count as object-store time, with the reads.
+        """
+        timed = self.timed_call(role, method, *args, **kwargs)
+        try:
+            t0 = time.perf_counter()
+            kept = keep(timed.result)
+            put_s = time.perf_counter() - t0
+        except Exception:
+            raise WorkerError(role, self._rank, method, traceback.format_exc()) from None
+        return ledger.Timed(
+            kept, timed.seconds + put_s, timed.copy_seconds, timed.store_seconds + put_s
+        )

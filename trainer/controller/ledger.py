@@ -26,8 +26,11 @@ times the copy, and :meth:`WorkerHost.timed_call
 method's own, so the profile can show host<->device copies apart.
 
 Bytes are the tensors' bytes (``nbytes``) of what the driver sends (every
-rank's arguments) and receives (every rank's results): what crosses between
-the driver's process and the workers'.
+rank's arguments, the columns it puts into a resident batch) and receives
+(every rank's results, the columns it reads from a resident batch): what
+crosses between the driver's process and the workers' and object store
+(:mod:`trainer.controller.resident`). Reading a resident column counts as
+waiting (``latency``), putting one as ``serialize``.
 """
 
 from __future__ import annotations
@@ -51,11 +54,18 @@ _copy_s = 0.0
 
 @dataclass(frozen=True)
 class Timed:
-    """A worker method's result with the seconds it took in the worker, and of those the copies'."""
+    """A worker method's result with the seconds it took in the worker, and of those the copies'.
+
+    ``store_seconds``: of ``seconds``, the time spent reading the call's
+    resident arguments from Ray's object store and putting a resident result
+    there: moving data, which the ledger counts as the controller's
+    (``latency``), not as the workers' compute.
+    """
 
     result: Any
     seconds: float
     copy_seconds: float
+    store_seconds: float = 0.0
 
 
 def tensor_bytes(value: Any) -> int:
@@ -70,7 +80,8 @@ def tensor_bytes(value: Any) -> int:
         return sum(tensor_bytes(v) for v in value)
     if isinstance(value, Timed):
         return tensor_bytes(value.result)
-    return 0
+    resident = getattr(value, "tensor_bytes", None)  # a resident batch knows its own
+    return resident() if callable(resident) else 0
 
 
 def move(value: Any, device: torch.device | str) -> Any:
@@ -151,6 +162,22 @@ def record_submit(seconds: float, sent: Iterable[Any]) -> None:
     ledger.sent_bytes += sum(tensor_bytes(a) for a in sent)
 
 
+def record_fetch(seconds: float, received: int) -> None:
+    """The driver read ``received`` tensor bytes of a resident batch from the object store."""
+    ledger = _open
+    if ledger is not None:
+        ledger.wait_s += seconds
+        ledger.received_bytes += received
+
+
+def record_put(seconds: float, sent: int) -> None:
+    """The driver put ``sent`` tensor bytes into a resident batch (a column it made)."""
+    ledger = _open
+    if ledger is not None:
+        ledger.serialize_s += seconds
+        ledger.sent_bytes += sent
+
+
 def record_finish(wait_s: float, join_s: float, results: list[Timed]) -> None:
     """A call's results came back after ``wait_s`` blocked, joined in ``join_s``."""
     ledger = _open
@@ -159,6 +186,6 @@ def record_finish(wait_s: float, join_s: float, results: list[Timed]) -> None:
     ledger.wait_s += wait_s
     ledger.serialize_s += join_s
     if results:
-        ledger.compute_s += min(wait_s, max(r.seconds for r in results))
+        ledger.compute_s += min(wait_s, max(r.seconds - r.store_seconds for r in results))
         ledger.copy_s += max(r.copy_seconds for r in results)
     ledger.received_bytes += sum(tensor_bytes(r.result) for r in results)

@@ -40,16 +40,28 @@ class DispatchSpec:
 
     With ``blocking=False`` the proxy returns at once an object whose
     ``.get()`` waits and gives what the blocking call would have returned.
+    With ``resident=True`` (``DP_SPLIT`` only) TensorDict results stay in
+    Ray's object store, and the call returns a handle on them
+    (:class:`trainer.controller.resident.Resident`) that fetches a column
+    when the driver reads it.
     """
 
     mode: Dispatch
     blocking: bool = True
+    resident: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Dispatch):
             raise TypeError(f"DispatchSpec.mode must be a Dispatch, got {self.mode!r}")
         if not isinstance(self.blocking, bool):
             raise TypeError(f"DispatchSpec.blocking must be a bool, got {self.blocking!r}")
+        if not isinstance(self.resident, bool):
+            raise TypeError(f"DispatchSpec.resident must be a bool, got {self.resident!r}")
+        if self.resident and self.mode is not Dispatch.DP_SPLIT:
+            raise ValueError(
+                f"DispatchSpec.resident needs Dispatch.DP_SPLIT (results kept in shards), "
+                f"got {self.mode}"
+            )
 
 
 def as_spec(value: Dispatch | DispatchSpec) -> DispatchSpec:
