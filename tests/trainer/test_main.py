@@ -63,7 +63,7 @@ def test_a_tiny_run_prints_where_its_outputs_are(trainer_cli, tmp_path):
 
 
 def assert_controller_figures(rows: list[dict]) -> None:
-    """Every step's cost of the controller adds up, and its bytes are the batch's at least."""
+    """Every step's cost of the controller adds up, and its bytes are the batch's at most."""
     for row in rows:
         step = row["timing/step"]
         controller = row["timing/controller"]
@@ -74,8 +74,9 @@ def assert_controller_figures(rows: list[dict]) -> None:
         assert 0 <= row["timing/copies"] <= row["timing/worker_compute"]
         sent, received = row["perf/driver_bytes_sent"], row["perf/driver_bytes_received"]
         assert row["perf/driver_bytes"] == sent + received
-        # Every tensor of the step's batch crossed between driver and workers at least once.
-        assert row["perf/driver_bytes"] >= row["perf/batch_bytes"] > 0, row
+        # The batch stays with the workers: no tensor crosses the driver twice, so the
+        # driver moves at most the batch's bytes (prompts out, what its math reads back in).
+        assert 0 < row["perf/driver_bytes"] <= row["perf/batch_bytes"], row
         assert sent > 0 and received > 0
     assert rows[0]["timing/startup"] > 0  # the first row of a process: command to first step
     assert all("timing/startup" not in row for row in rows[1:])

@@ -23,6 +23,7 @@ from trainer.algorithms import ppo_math as algos
 from trainer.checkpoints import rng
 from trainer.config import Config
 from trainer.controller.ledger import Ledger, tensor_bytes
+from trainer.controller.resident import Resident
 from trainer.data import batch as batch_ops
 from trainer.data.prompts import PromptDataset, PromptLoader
 from trainer.data.rewards import RewardFn, score
@@ -292,7 +293,7 @@ def make_kl_controller(cfg: Config) -> algos.FixedKLController | algos.AdaptiveK
     return algos.FixedKLController(a.kl_coef)
 
 
-def pad_for_update(batch: TensorDict, divisor: int) -> TensorDict:
+def pad_for_update(batch: TensorDict | Resident, divisor: int) -> TensorDict | Resident:
     """Pad to a multiple of ``divisor`` rows with rows that carry no loss.
 
     The padding rows copy real rows (so every tensor is well formed) but have
@@ -300,6 +301,8 @@ def pad_for_update(batch: TensorDict, divisor: int) -> TensorDict:
     ignores them, so a batch the data-parallel size does not divide trains
     exactly like the unpadded one.
     """
+    if isinstance(batch, Resident):  # padded where each rank reads its rows
+        return batch.padded(divisor, zero=("response_mask", "advantages"))
     padded, pad = batch_ops.pad_to_divisor(batch, divisor)
     if pad:
         n = batch.batch_size[0]
@@ -325,6 +328,13 @@ class PPOTrainer:
     ``compute_ref_log_prob``, ``update_actor``; ``critic.compute_values``,
     ``update_critic``. DP_SPLIT methods take the whole batch and return it
     whole; metrics come back one dict per rank.
+
+    The step's batch is a TensorDict or, from Ray workers, a resident batch
+    (:class:`~trainer.controller.resident.Resident`): its columns stay with
+    the workers and in Ray's object store, ``batch[key]`` fetches one when
+    the driver's math needs it, ``batch[key] = value`` puts one the driver
+    made, ``batch.update(result)`` joins a call's result where it lies. So
+    each tensor crosses the driver at most once a step.
     """
 
     def __init__(
@@ -406,7 +416,7 @@ class PPOTrainer:
         if needs_old_log_prob_pass(cfg):
             with _timed(m, "old_log_prob"):
                 lp = self.actor.compute_log_prob(batch)
-            batch["old_log_probs"] = lp["old_log_probs"]
+            batch.update(lp.select("old_log_probs"))
             if "rollout_log_probs" in batch.keys():
                 mismatch = rollout_mismatch.mismatch_totals(
                     lp["old_log_probs"], batch["rollout_log_probs"], mask
@@ -419,7 +429,7 @@ class PPOTrainer:
                     )
         if cfg.use_reference:
             with _timed(m, "ref"):
-                batch["ref_log_probs"] = self.actor.compute_ref_log_prob(batch)["ref_log_probs"]
+                batch.update(self.actor.compute_ref_log_prob(batch).select("ref_log_probs"))
         if cfg.algorithm.use_kl_in_reward:
             token_rewards, seq_kl = apply_kl_in_reward(
                 token_rewards,
@@ -434,8 +444,8 @@ class PPOTrainer:
         values = None
         if self.critic is not None:
             with _timed(m, "values"):
-                values = self.critic.compute_values(batch)["values"]
-            batch["values"] = values
+                batch.update(self.critic.compute_values(batch).select("values"))
+            values = batch["values"]
 
         # 4. advantages on the driver
         with _timed(m, "adv"):

@@ -2,7 +2,9 @@
 
 One instance per data-parallel rank. The driver calls it through a role group:
 ``generate_sequences``, ``compute_log_prob``, ``compute_ref_log_prob`` and
-``update_actor`` receive this rank's slice of the batch (``DP_SPLIT``).
+``update_actor`` receive this rank's slice of the batch (``DP_SPLIT``); the
+first three keep their results in Ray's object store (``resident``), where
+the later calls read them (:mod:`trainer.controller.resident`).
 With ``actor.strategy=fsdp2`` the policy and reference are sharded with FSDP2
 (:mod:`trainer.fsdp`); with ``ddp`` each rank holds them whole and
 gradients are all-reduced inside ``update_actor``. Collective methods are
@@ -22,7 +24,7 @@ from tensordict import TensorDict
 from trainer import fsdp
 from trainer.checkpoints.export import save_hf_model, write_hf_files
 from trainer.config import Config
-from trainer.controller import Dispatch, Worker
+from trainer.controller import Dispatch, DispatchSpec, Worker
 from trainer.controller.ledger import move
 from trainer.models import load_tokenizer
 from trainer.rollout import build_engine, build_rollout
@@ -61,11 +63,12 @@ def seed_worker(seed: int, rank: int) -> None:
 class ActorRolloutRefWorker(Worker):
     """Policy + rollout engine (+ frozen reference policy when a KL term is on)."""
 
+    # The step's batch stays with the workers (resident): the driver reads what its math needs.
     dispatch = {
         "init_model": Dispatch.ONE_TO_ALL,
-        "generate_sequences": Dispatch.DP_SPLIT,
-        "compute_log_prob": Dispatch.DP_SPLIT,
-        "compute_ref_log_prob": Dispatch.DP_SPLIT,
+        "generate_sequences": DispatchSpec(Dispatch.DP_SPLIT, resident=True),
+        "compute_log_prob": DispatchSpec(Dispatch.DP_SPLIT, resident=True),
+        "compute_ref_log_prob": DispatchSpec(Dispatch.DP_SPLIT, resident=True),
         "update_actor": Dispatch.DP_SPLIT,
         "save_checkpoint": Dispatch.ONE_TO_ALL,
         "wait_checkpoint": Dispatch.ONE_TO_ALL,

@@ -6,7 +6,7 @@ from tensordict import TensorDict
 
 from trainer import fsdp
 from trainer.config import Config
-from trainer.controller import Dispatch, Worker
+from trainer.controller import Dispatch, DispatchSpec, Worker
 from trainer.controller.ledger import move
 from trainer.workers.actor import place_model, seed_worker
 from trainer.workers.compute import compute_values, update_value
@@ -21,7 +21,7 @@ class CriticWorker(Worker):
 
     dispatch = {
         "init_model": Dispatch.ONE_TO_ALL,
-        "compute_values": Dispatch.DP_SPLIT,
+        "compute_values": DispatchSpec(Dispatch.DP_SPLIT, resident=True),
         "update_critic": Dispatch.DP_SPLIT,
         "save_checkpoint": Dispatch.ONE_TO_ALL,
         "wait_checkpoint": Dispatch.ONE_TO_ALL,

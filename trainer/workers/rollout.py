@@ -60,8 +60,9 @@ class RolloutWorker(Worker):
         "init_model": Dispatch.ONE_TO_ALL,
         "load_weights": Dispatch.ONE_TO_ALL,
         "load_weights_async": DispatchSpec(Dispatch.ONE_TO_ALL, blocking=False),
-        "generate_sequences": Dispatch.DP_SPLIT,
-        "generate_async": DispatchSpec(Dispatch.DP_SPLIT, blocking=False),
+        # Batches stay in the object store until the actor's workers read them.
+        "generate_sequences": DispatchSpec(Dispatch.DP_SPLIT, resident=True),
+        "generate_async": DispatchSpec(Dispatch.DP_SPLIT, blocking=False, resident=True),
     }
 
     def __init__(self, config: Config, model_path: str, max_new_tokens: int) -> None:
