@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Piece", "plan_rows", "real_rows_per_shard"]
@@ -71,26 +71,31 @@ def plan_rows(
     real_per_shard = real_rows_per_shard(shard_rows, real)
     starts = list(itertools.accumulate(real_per_shard, initial=0))
     step = math.lcm(divisor, world)
-    total = real + (-real) % step
-    per_rank = total // world
+    per_rank = (real + (-real) % step) // world
 
-    def source(row: int) -> tuple[int, int, bool]:
-        pad = row >= real
-        k = (row - real) % real if pad else row
-        shard = bisect.bisect_right(starts, k) - 1
-        while real_per_shard[shard] == 0:  # empty shards share their start with the next
-            shard += 1
-        return shard, k - starts[shard], pad
+    def sources(first: int, stop: int) -> Iterator[tuple[int, int, bool]]:
+        """Runs of consecutive real rows (start, stop, pad) that target rows first:stop copy."""
+        row = first
+        while row < stop:
+            if row < real:
+                end = min(stop, real)
+                yield row, end, False
+            else:
+                k = (row - real) % real
+                end = row + min(stop - row, real - k)
+                yield k, k + end - row, True
+            row = end
 
     plans: list[tuple[Piece, ...]] = []
     for rank in range(world):
-        pieces: list[Piece] = []
-        for row in range(rank * per_rank, (rank + 1) * per_rank):
-            shard, offset, pad = source(row)
-            last = pieces[-1] if pieces else None
-            if last and (last.shard, last.stop, last.pad) == (shard, offset, pad):
-                pieces[-1] = Piece(shard, last.start, offset + 1, pad)
-            else:
-                pieces.append(Piece(shard, offset, offset + 1, pad))
+        pieces = []
+        for start, stop, pad in sources(rank * per_rank, (rank + 1) * per_rank):
+            shard = bisect.bisect_right(starts, start) - 1
+            while start < stop:  # split the run where shards end
+                while real_per_shard[shard] == 0:  # empty shards share their start with the next
+                    shard += 1
+                end = min(stop, starts[shard + 1])
+                pieces.append(Piece(shard, start - starts[shard], end - starts[shard], pad))
+                start, shard = end, shard + 1
         plans.append(tuple(pieces))
     return plans
