@@ -12,10 +12,12 @@ step, written to ``metrics.jsonl`` by ``python -m trainer``, are checked in
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
 import pytest
+import ray
 import torch
 from ray import cloudpickle
 from tensordict import TensorDict
@@ -236,3 +238,20 @@ def test_results_join_where_they_lie_and_mismatches_are_named(echo_groups):
         res["w"] = torch.zeros(4)
     with pytest.raises(ValueError, match="resident needs Dispatch.DP_SPLIT"):
         DispatchSpec(Dispatch.ONE_TO_ALL, resident=True)
+
+
+def test_a_dropped_batch_leaves_no_reference_on_the_driver(echo_groups):
+    """What keeps the objects alive is the driver's handle: dropped, Ray may free them."""
+    table = ray._private.worker.global_worker.core_worker.get_all_reference_counts
+
+    def held() -> set[str]:  # the ids (hex) of every object the driver holds a reference to
+        return {key.decode() if isinstance(key, bytes) else key for key in table()}
+
+    res = echo_groups["echo"].make(_ints(5))
+    res["adv"] = torch.ones(5)
+    echo_groups["solo"].seen(res.padded(4, zero=["adv"]))
+    ids = {ref.hex() for column in res.columns.values() for ref in column.refs if ref}
+    assert len(ids) == 2 * 2 + 2 and ids <= held()  # y, id from two ranks; adv's two shards
+    del res
+    gc.collect()
+    assert not ids & held()
