@@ -37,7 +37,7 @@ from trainer.controller import ledger
 from trainer.controller.layout import Piece, plan_rows, real_rows_per_shard
 from trainer.data import batch as batch_ops
 
-__all__ = ["Column", "Resident", "ShardColumns", "ShardPlan", "as_tensordict", "keep", "resolve"]
+__all__ = ["Column", "Resident", "ShardColumns", "ShardPlan", "keep", "resolve"]
 
 _MISSING = object()
 
@@ -298,10 +298,3 @@ class Resident:
             ]
             self.columns[key] = Column(refs, ledger.tensor_bytes(part), td.get(key), True)
         ledger.record_put(time.perf_counter() - t0, ledger.tensor_bytes(td))
-
-
-def as_tensordict(batch: Resident | TensorDictBase, keys: Iterable[str] | None = None) -> Any:
-    """``batch`` as a TensorDict on the driver (``keys`` of it), fetching what is resident."""
-    if isinstance(batch, Resident):
-        return batch.to_tensordict(keys)
-    return batch if keys is None else batch.select(*keys)
