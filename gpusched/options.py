@@ -115,8 +115,10 @@ def _durations_file(text: str) -> str:
 def _module_list(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     for name in names:
-        if not all(piece.isidentifier() for piece in name.split(".")):
-            raise ValueError(f"names {name!r}, which is not a module name")
+        module, colon, attribute = name.partition(":")
+        dotted = all(piece.isidentifier() for piece in module.split("."))
+        if not dotted or (colon and not attribute.isidentifier()):
+            raise ValueError(f"names {name!r}, which is not a module name (or module:name)")
     return names
 
 
@@ -254,8 +256,9 @@ OPTIONS: tuple[Option, ...] = (
         _module_list,
         (),
         "modules the fork server imports once for every file, e.g. torch,transformers "
-        "(added to the third-party imports of the suite's conftest.py files, found "
-        "automatically); a TOML list in [tool.gpusched]",
+        "(module:name imports as from module import name); added to what the suite's "
+        "conftest.py files and at least two of its test files import from installed "
+        "packages, found automatically; a TOML list in [tool.gpusched]",
         "MODULES",
     ),
     Option(

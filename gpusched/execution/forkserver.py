@@ -231,6 +231,17 @@ def _warm_up_pytest() -> None:
             os.close(fd)
 
 
+def import_preload(name: str) -> None:
+    """Import a preload entry: ``a.b`` as ``import a.b``, ``a.b:c`` as ``from a.b import c``."""
+    module_name, _, attribute = name.partition(":")
+    module = importlib.import_module(module_name)
+    if attribute:
+        try:
+            getattr(module, attribute)  # a library's lazy attribute imports its module here
+        except AttributeError:
+            importlib.import_module(f"{module_name}.{attribute}")
+
+
 def prepare(preload: Sequence[str], auto: Sequence[str]) -> dict[str, Any]:
     """Import pytest, the plugins and the preload modules; the ``ready``/``unsafe`` message.
 
@@ -256,7 +267,7 @@ def prepare(preload: Sequence[str], auto: Sequence[str]) -> dict[str, Any]:
         if name in loaded:
             continue
         try:
-            importlib.import_module(name)
+            import_preload(name)
         except BaseException as exc:  # noqa: BLE001 - an import may raise anything, even SystemExit
             if not automatic:
                 return {

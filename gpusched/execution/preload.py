@@ -1,23 +1,33 @@
 """What the fork server may pre-import, and whether this platform may fork at all.
 
 Pure decisions over paths and sources (the server does the importing):
-the automatic preload list is the set of third-party packages that the
-suite's ``conftest.py`` files import at module level, the imports every
-child would otherwise pay for. Local packages (those under the rootdir) are
-never preloaded: their import runs the suite's own code, which may touch
-CUDA, threads or the environment, and belongs in each child.
+the automatic preload list is the set of installed packages that every
+child, or many children, would otherwise import for themselves: those the
+suite's ``conftest.py`` files bring in at module level, and those that at
+least ``SHARED_BY`` test files bring in, directly or through the suite's own
+modules (``gpusched.execution.importgraph``). Local packages (those under the
+rootdir) are never preloaded: their import runs the suite's own code, which
+may touch CUDA, threads or the environment, and belongs in each child.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
+import fnmatch
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from gpusched.execution.importgraph import THIRD_PARTY, ImportGraph, classify_with_importlib
+
 SCAN_DEPTH = 2  # conftest.py files this many directories below a given path are read too
+SHARED_BY = 2  # a package only test files reach is preloaded when this many of them reach it
+TEST_FILE_PATTERNS = ("test_*.py", "*_test.py")  # pytest's default ``python_files``
+# pytest's default ``norecursedirs``, and what a test walk never needs to enter.
+SKIPPED_DIRS = ("*.egg", ".*", "_darcs", "build", "CVS", "dist", "node_modules", "venv", "{arch}",
+                "__pycache__", "site-packages")  # fmt: skip
 
 
 def fork_unavailable(platform: str = sys.platform) -> str | None:
@@ -92,37 +102,57 @@ def conftest_files(paths: Sequence[str], rootdir: Path) -> list[Path]:
 
 def is_third_party(name: str, rootdir: Path) -> bool:
     """Installed, not the standard library, not a package of the suite itself."""
-    if name in sys.stdlib_module_names or name == "__future__":
-        return False
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return False
-    locations = [spec.origin] if spec.origin else []
-    locations += list(spec.submodule_search_locations or [])
-    root = rootdir.resolve()
-    for location in locations:
-        if location in (None, "built-in", "frozen"):
-            continue
-        resolved = Path(location).resolve()
-        installed = any(part in ("site-packages", "dist-packages") for part in resolved.parts)
-        if not installed and (resolved == root or root in resolved.parents):
-            return False
-    return bool(locations)
+    kind, _ = classify_with_importlib(rootdir)(name)
+    return kind == THIRD_PARTY
 
 
-def auto_preload(paths: Sequence[str], rootdir: Path) -> list[str]:
-    """The third-party packages the suite's conftest files import at module level."""
+def find_test_files(paths: Sequence[str]) -> list[Path]:
+    """The test modules pytest's default ``python_files`` would find under ``paths`` (a file
+    given by name counts whatever its name)."""
+    found: dict[Path, None] = {}
+    for raw in paths or ["."]:
+        path = Path(raw.split("::")[0])
+        if path.is_file() and path.suffix == ".py":
+            found[path.resolve()] = None
+        elif path.is_dir():
+            for directory, subdirs, files in os.walk(path):
+                subdirs[:] = sorted(d for d in subdirs if not _skipped(d))
+                for name in sorted(files):
+                    if any(fnmatch.fnmatch(name, pattern) for pattern in TEST_FILE_PATTERNS):
+                        found[(Path(directory) / name).resolve()] = None
+    return list(found)
+
+
+def _skipped(directory: str) -> bool:
+    return any(fnmatch.fnmatch(directory, pattern) for pattern in SKIPPED_DIRS)
+
+
+def auto_preload(
+    paths: Sequence[str], rootdir: Path, graph: ImportGraph | None = None
+) -> list[str]:
+    """The installed packages worth importing once for every child, in import order.
+
+    First those the conftest files bring in (every child imports them; in the
+    order the conftests name them, then those reached through local modules),
+    then those at least ``SHARED_BY`` test files bring in, most shared first.
+    """
+    graph = graph or ImportGraph(classify_with_importlib(rootdir))
     names: list[str] = []
     for conftest in conftest_files(paths, rootdir):
         try:
             source = conftest.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        names += [n for n in module_level_imports(source) if n not in names]
-    return [name for name in names if is_third_party(name, rootdir)]
+        reached = graph.reached(conftest)
+        names += [n for n in module_level_imports(source) if n in reached and n not in names]
+        names += sorted(n for n in reached if n not in names)
+    shared = Counter(name for path in find_test_files(paths) for name in graph.reached(path))
+    names += [
+        name
+        for name, count in sorted(shared.items(), key=lambda item: (-item[1], item[0]))
+        if count >= SHARED_BY and name not in names
+    ]
+    return names
 
 
 ROOT_MARKERS = ("pyproject.toml", "pytest.ini", "tox.ini", "setup.cfg")

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from deadlines import hang_guard
 
-from gpusched.execution.forkserver import PAD_VARIABLE, retag_environ_block
+from gpusched.execution.forkserver import PAD_VARIABLE, import_preload, retag_environ_block
 from gpusched.execution.preload import (
     auto_preload,
     conftest_files,
@@ -273,6 +273,20 @@ def test_auto_preload_reads_the_conftest_chain(tmp_path):
     assert auto_preload([str(tmp_path / "tests")], tmp_path) == ["psutil", "pytest"]
 
 
+def test_a_preload_entry_imports_as_its_statement_would(monkeypatch):
+    for name in [n for n in sys.modules if n == "xml" or n.startswith("xml.")]:
+        monkeypatch.delitem(sys.modules, name)
+    import_preload("xml:dom")  # not an attribute of xml until imported: the submodule
+    assert "xml.dom" in sys.modules
+    import_preload("xml.dom:minidom")
+    assert "xml.dom.minidom" in sys.modules
+    import_preload("json:dumps")  # an attribute
+    with pytest.raises(ModuleNotFoundError):
+        import_preload("json:no_such_name")
+    with pytest.raises(ModuleNotFoundError):
+        import_preload("surely_not_installed_xyz")
+
+
 @pytest.mark.parametrize(
     ("platform", "safe"), [("linux", True), ("darwin", False), ("win32", False)]
 )
@@ -306,6 +320,14 @@ def test_fork_server_and_preload_options_from_every_source():
         resolve({"fork_server": "maybe"}, {}, {}, names)
     with pytest.raises(UsageError, match="GPUSCHED_PRELOAD: 'torch;ray' names 'torch;ray'"):
         resolve({}, {"GPUSCHED_PRELOAD": "torch;ray"}, {}, names)
+    entries = {"preload": "transformers:LlamaForCausalLM,torch.distributed"}
+    assert resolve(entries, {}, {}, names)["preload"] == (
+        "transformers:LlamaForCausalLM",
+        "torch.distributed",
+    )
+    for bad in ("transformers:", "transformers:a.b", ":x", "a:b:c"):
+        with pytest.raises(UsageError, match=f"--preload: '{bad}' names '{bad}'"):
+            resolve({"preload": bad}, {}, {}, names)
 
 
 def test_the_server_and_its_children_are_gone_after_a_run(make_suite, run_gpusched, tmp_path):
