@@ -20,7 +20,8 @@ the time before; the line before each gpusched run says how many files its
 history has CPU figures for. pytest-xdist is not a dependency of this
 project: ``pip install pytest-xdist`` into the same environment first.
 
-Prints each run (wall seconds, what it reported) and, per suite, the ratio
+Prints each run (wall seconds, what it reported, the machine's busy core-seconds
+over it and their share of cores x wall) and, per suite, the ratio
 gpusched / xdist of each round and their mean.
 
     python bench/vs_xdist.py                                  # both suites, 2 rounds
@@ -42,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from real_suites import clean_env  # bench/ is the script's sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,12 +63,18 @@ class Suite:
 
 @dataclass(frozen=True)
 class Run:
-    """One command's run: wall seconds, exit code, tests by outcome, its last line."""
+    """One command's run: wall seconds, exit code, tests by outcome, its last line, and the
+    machine's busy core-seconds over it (all processes: the figure that says whether a slower
+    run did more work or left cores idle)."""
 
     seconds: float
     code: int
     counts: dict[str, int]
     last: str
+    busy: float
+
+    def utilisation(self, cores: int) -> float:
+        return self.busy / (cores * self.seconds)
 
 
 def this_suite(paths: str) -> Suite:
@@ -134,16 +142,24 @@ def cpu_known(suite: Suite) -> str:
     return f"history: {len(files)} files, {measured} with CPU figures"
 
 
+def busy_seconds() -> float:
+    """Core-seconds this machine has spent on anything but idling and waiting for I/O since boot."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
 def run_once(command: list[str], suite: Suite, timeout: float) -> Run:
+    busy = busy_seconds()
     start = time.perf_counter()
     proc = subprocess.run(
         command, cwd=suite.root, env=clean_env(suite.env), capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
     seconds = time.perf_counter() - start
+    busy = busy_seconds() - busy
     text = proc.stdout + proc.stderr
     lines = text.strip().splitlines()
-    return Run(seconds, proc.returncode, outcome_counts(text), lines[-1] if lines else "")
+    return Run(seconds, proc.returncode, outcome_counts(text), lines[-1] if lines else "", busy)
 
 
 def describe(counts: dict[str, int]) -> str:
@@ -170,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("xdist") is None:
         parser.error("pytest-xdist is not installed here: pip install pytest-xdist")
     gpus = args.gpus if args.gpus is not None else args.workers
+    cores = psutil.cpu_count() or 1
     wanted = args.suites.split(",")
     print(f"bench: {os.cpu_count()} cores, xdist -n {args.workers} --dist loadfile, gpusched "
           f"--simulate-gpus {gpus}, {args.rounds} rounds; load average {load()}")  # fmt: skip
@@ -194,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                     command = commands(suite, args.workers, gpus)[tool]
                     runs[tool] = run = run_once(command, suite, args.timeout)
                     print(f"round {round_number}  {suite.name:<18} {tool:<9} {run.seconds:8.1f} s"
-                          f"  exit {run.code}: {describe(run.counts)}")  # fmt: skip
+                          f"  exit {run.code}: {describe(run.counts)}; busy {run.busy:.0f} core-s"
+                          f" ({run.utilisation(cores):.0%} of the cores)")  # fmt: skip
                 ratio = runs[GPUSCHED].seconds / runs[XDIST].seconds
                 ratios[suite.name].append(ratio)
                 same = "same outcomes" if runs[GPUSCHED].counts == runs[XDIST].counts else (
