@@ -396,12 +396,17 @@ class ForkServer:
         self.proc.wait()
 
 
+def top_level_package(entry: str) -> str:
+    """``ray`` for the preload entries ``ray``, ``ray.util`` and ``ray.util:placement_group``."""
+    return entry.partition(":")[0].split(".")[0]
+
+
 def start_server(spec: ServerSpec, launched: ForkServer | None = None) -> Startup:
     """Start a fork server that is safe to fork from, or say why there is none.
 
     An automatically found module that makes the server unsafe (starts a
-    thread, initialises CUDA) is left out and the server started again
-    without it; one the user named, or a plugin, means no fork server.
+    thread, initialises CUDA) is left out, with every other entry of its
+    package, and the server started again without them; one the user named, or a plugin, means no fork server.
     ``launched`` is a server already started with ``spec`` (``launch(wait=False)``).
     """
     notes: list[str] = []
@@ -423,8 +428,11 @@ def start_server(spec: ServerSpec, launched: ForkServer | None = None) -> Startu
         server.close()
         module = hello.get("module")
         if hello.get("auto") and module in auto:
-            notes.append(f"preload: {module} not preloaded ({hello.get('reason')})")
-            auto.remove(module)
+            # The package's other entries (``ray.util:x`` after ``ray``) would do the same.
+            package = top_level_package(module)
+            same = [name for name in auto if top_level_package(name) == package]
+            notes.append(f"preload: {', '.join(same)} not preloaded ({hello.get('reason')})")
+            auto = [name for name in auto if name not in same]
             continue
         where = f"preload {module!r}" if module else "start-up"
         reason = str(hello.get("reason", "unknown"))
