@@ -173,6 +173,12 @@ def load() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--first-round",
+        type=int,
+        default=1,
+        help="number of the first round (2: gpusched first, to continue an earlier run)",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="xdist's -n")
     parser.add_argument("--gpus", type=int, help="gpusched's --simulate-gpus (default: -n)")
     parser.add_argument("--suites", default="this,pytest", help="comma-separated: this, pytest")
@@ -201,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 suites.append(suite_or_why)
         ratios: dict[str, list[float]] = {suite.name: [] for suite in suites}
-        for round_number in range(1, args.rounds + 1):
+        numbers = range(args.first_round, args.first_round + args.rounds)
+        for round_number in numbers:
             order = [XDIST, GPUSCHED] if round_number % 2 else [GPUSCHED, XDIST]
             for suite in suites:
                 runs: dict[str, Run] = {}
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_number}  {suite.name:<18} gpusched / xdist {ratio:.3f}x"
                       f" ({' first, '.join(order)} second; {same})")  # fmt: skip
     print(f"\nbench: load average at the end {load()}")
-    print(f"{'suite':<20} " + " ".join(f"{f'round {r}':>9}" for r in range(1, args.rounds + 1))
+    print(f"{'suite':<20} " + " ".join(f"{f'round {r}':>9}" for r in numbers)
           + f" {'mean':>7}")  # fmt: skip
     for name, values in ratios.items():
         cells = " ".join(f"{value:>8.3f}x" for value in values)
