@@ -75,6 +75,20 @@ def _package_inits(base: Path, parts: list[str]) -> Iterator[Path]:
             yield init
 
 
+def _local_imports(base: Path, parts: list[str], names: tuple[str, ...]) -> list[Path]:
+    """The files ``from base/parts import names`` runs (``import base/parts`` without names):
+    the packages' ``__init__.py`` on the way, the module, and each name that is a submodule."""
+    found = list(_package_inits(base, parts))
+    target = _module_file(base, parts) if parts else None
+    if target is not None:
+        found.append(target)
+    for name in names:
+        sub = _module_file(base, [*parts, name])
+        if sub is not None:
+            found.append(sub)
+    return [path.resolve() for path in found]
+
+
 class ImportGraph:
     """Local sources and the installed packages each one reaches; parses every file once.
 
@@ -134,40 +148,27 @@ class ImportGraph:
         base = path.parent
         for _ in range(level - 1):
             base = base.parent
-        parts = module.split(".") if module else []
-        local.extend(p.resolve() for p in _package_inits(base, parts))
-        target = _module_file(base, parts) if parts else None
-        if target is not None:
-            local.append(target.resolve())
-        for name in names:  # ``from . import sub`` imports a submodule
-            sub = _module_file(base, [*parts, name])
-            if sub is not None:
-                local.append(sub.resolve())
+        local.extend(_local_imports(base, module.split(".") if module else [], names))
 
     def _absolute(
         self, path: Path, module: str, names: tuple[str, ...], third: set[str], local: list[Path]
     ) -> None:
         parts = module.split(".")
-        kind, where = self._kind(parts[0], path.parent)
+        kind, where = self._kind(parts[0], path)
         if kind == THIRD_PARTY:
             if names:
                 third.update(f"{module}:{name}" for name in names)
             else:
                 third.add(module)
         elif kind == LOCAL and where is not None:
-            local.extend(p.resolve() for p in _package_inits(where, parts))
-            target = _module_file(where, parts)
-            if target is not None:
-                local.append(target.resolve())
-            for name in names:
-                sub = _module_file(where, [*parts, name])
-                if sub is not None:
-                    local.append(sub.resolve())
+            local.extend(_local_imports(where, parts, names))
 
-    def _kind(self, top: str, beside: Path) -> _Kind:
-        # A module beside the importing file wins (pytest's default "prepend" import
-        # mode puts a test file's directory first on sys.path).
-        if _module_file(beside, [top]) is not None:
+    def _kind(self, top: str, importer: Path) -> _Kind:
+        # Beside a file outside any package (a test file, a conftest), a module of that
+        # directory wins: pytest's default "prepend" import mode puts the directory
+        # first on sys.path. Inside a package, imports are absolute.
+        beside = importer.parent
+        if not (beside / "__init__.py").is_file() and _module_file(beside, [top]) is not None:
             return (LOCAL, beside)
         if top not in self._kinds:
             self._kinds[top] = self._classify(top)

@@ -120,6 +120,19 @@ def test_a_from_import_of_an_installed_package_names_what_it_takes(tmp_path):
     }
 
 
+def test_inside_a_package_a_sibling_does_not_shadow_an_absolute_import(tmp_path):
+    write(
+        tmp_path,
+        {
+            "proj/__init__.py": "",
+            "proj/helperlib/__init__.py": "import heavylib\n",  # proj.helperlib, not helperlib
+            "proj/user.py": "import helperlib\n",
+            "tests/test_u.py": "import proj.user\n",
+        },
+    )
+    assert fake_graph(tmp_path).reached(tmp_path / "tests/test_u.py") == {"helperlib"}
+
+
 def test_names_that_are_neither_local_nor_installed_are_ignored(tmp_path):
     write(tmp_path, {"tests/test_x.py": "import os\nimport missing_thing\nfrom proj import x\n"})
     assert fake_graph(tmp_path).reached(tmp_path / "tests/test_x.py") == frozenset()
