@@ -406,7 +406,8 @@ def start_server(spec: ServerSpec, launched: ForkServer | None = None) -> Startu
 
     An automatically found module that makes the server unsafe (starts a
     thread, initialises CUDA) is left out, with every other entry of its
-    package, and the server started again without them; one the user named, or a plugin, means no fork server.
+    package, and the server started again without them; one the user named,
+    or a plugin, means no fork server.
     ``launched`` is a server already started with ``spec`` (``launch(wait=False)``).
     """
     notes: list[str] = []
