@@ -12,15 +12,19 @@ may touch CUDA, threads or the environment, and belongs in each child.
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from gpusched.execution.importgraph import THIRD_PARTY, ImportGraph, classify_with_importlib
+from gpusched.execution.importgraph import (
+    THIRD_PARTY,
+    ImportGraph,
+    classify_with_importlib,
+    import_statements,
+)
 
 SCAN_DEPTH = 2  # conftest.py files this many directories below a given path are read too
 SHARED_BY = 2  # a package only test files reach is preloaded when this many of them reach it
@@ -45,31 +49,8 @@ def fork_unavailable(platform: str = sys.platform) -> str | None:
 
 def module_level_imports(source: str) -> list[str]:
     """Top-level package names imported by statements at module level (also inside ``try``/``if``)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    names: list[str] = []
-
-    def visit(statements: Iterable[ast.stmt]) -> None:
-        for node in statements:
-            if isinstance(node, ast.Import):
-                names.extend(alias.name.split(".")[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.append(node.module.split(".")[0])
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.If) and not _is_type_checking(node.test):
-                visit(node.body)
-
-    visit(tree.body)
-    return list(dict.fromkeys(names))
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
+    names = [module.split(".")[0] for level, module, _ in import_statements(source) if not level]
+    return list(dict.fromkeys(name for name in names if name))
 
 
 def conftest_files(paths: Sequence[str], rootdir: Path) -> list[Path]:
