@@ -174,8 +174,23 @@ class Packer:
         return self._budget - self._reserved - sum(self._demand.values())
 
     def cpu_fits(self, job: Job) -> bool:
-        """Whether ``job``'s CPU use fits beside what runs now (its cards aside)."""
-        return cpu_demand(job, self._budget) <= self.cpu_free + _EPSILON
+        """Whether starting ``job`` now keeps the node's expected load nearest its budget.
+
+        Demands are averages, so a rule of "only what fits in the free cores"
+        leaves a fraction of a core idle beside every running file, for as long
+        as the next file in line is a little larger than that fraction. A job
+        therefore starts when its demand fits in the free cores, or when
+        starting it brings the summed demands closer to the budget than
+        leaving those cores idle: over by less than the free cores left
+        (demand < 2 x free). A job that counts the whole budget still waits
+        for an empty node, and one counting nothing (a GPU file never measured)
+        is bound by its cards only.
+        """
+        demand = cpu_demand(job, self._budget)
+        free = self.cpu_free
+        if demand >= self._budget - _EPSILON:
+            return free >= self._budget - _EPSILON
+        return demand <= max(free, 0.0) + _EPSILON or demand < 2 * free
 
     def submit(self, jobs: Iterable[Job]) -> None:
         self._pending.extend(jobs)

@@ -41,12 +41,39 @@ def test_a_job_never_measured_counts_one_core_without_gpus_and_none_beside_its_c
 
 def test_jobs_start_while_their_use_fits_in_the_budget():
     packer = Packer([], cpu_slots=2)
-    packer.submit([job(0, cpu=1.2, expected=9), job(1, cpu=0.5, expected=8), job(2, cpu=0.5)])
-    # 1.2 + 0.5 fit in 2 cores; the third 0.5 would make 2.2.
+    packer.submit([job(0, cpu=1.2, expected=9), job(1, cpu=0.5, expected=8), job(2, cpu=0.7)])
+    # 1.2 + 0.5 fit in 2 cores; the 0.7 would make 2.4, farther from 2 than the 1.7 without it.
     assert started(packer.schedule()) == {0, 1}
     assert packer.cpu_free == pytest.approx(0.3)
     packer.complete(1)
     assert started(packer.schedule()) == {2}
+
+
+def test_a_job_a_little_over_the_free_cores_starts_rather_than_leave_them_idle():
+    packer = Packer([], cpu_slots=2)
+    packer.submit([job(0, cpu=0.8, expected=9), job(1, cpu=0.8, expected=8)])
+    packer.submit([job(2, cpu=0.6, expected=7), job(3, cpu=0.1)])
+    # 0.8 + 0.8 leave 0.4 free: 0.6 is over by 0.2 (load 2.2, nearer 2 than 1.6 is);
+    # after it nothing is free, so even the 0.1 waits.
+    assert started(packer.schedule()) == {0, 1, 2}
+    assert packer.cpu_free == pytest.approx(-0.2)
+    packer.complete(2)
+    assert started(packer.schedule()) == {3}
+
+
+def test_a_job_twice_the_free_cores_or_more_waits():
+    packer = Packer([], cpu_slots=2)
+    packer.submit([job(0, cpu=1.5, expected=9), job(1, cpu=1.0)])
+    # 0.5 free; 1.0 would make 2.5, as far from 2 as the 1.5 without it.
+    assert started(packer.schedule()) == {0}
+
+
+def test_a_gpu_file_never_measured_starts_on_its_cards_even_with_the_cores_over_budget():
+    packer = Packer(cards(1), cpu_slots=2)
+    packer.submit([job(0, cpu=0.9, expected=9), job(1, cpu=0.9, expected=8), job(2, cpu=0.3)])
+    assert started(packer.schedule()) == {0, 1, 2}  # 2.1 counted
+    packer.submit([job(3, gpus=1)])
+    assert started(packer.schedule()) == {3}
 
 
 def test_light_files_run_more_at_once_than_there_are_cores():
@@ -112,13 +139,14 @@ def test_a_big_file_queued_behind_running_ones_starts_once_they_are_done():
 def test_reserved_cores_count_until_released_and_an_adopted_file_counts_its_own_use():
     packer = Packer([], cpu_slots=3)
     packer.reserve_cpu(2)  # an early start and the collection
-    packer.submit([job(0, cpu=1.0), job(1, cpu=1.0)])
+    packer.submit([job(0, cpu=1.0, expected=9), job(1, cpu=1.5)])
     assert started(packer.schedule()) == {0}
     packer.adopt(job(5, cpu=0.25))  # the early start: 1 reserved core becomes 0.25
-    assert started(packer.schedule()) == set()  # 1 + 0.25 + the collection's 1 = 2.25
+    # 1 + 0.25 + the collection's 1 = 2.25: 0.75 free, and 1.5 is not less than twice that.
+    assert started(packer.schedule()) == set()
     packer.release_cpu(1)  # the collection is done
     assert started(packer.schedule()) == {1}
-    assert packer.cpu_free == pytest.approx(0.75)
+    assert packer.cpu_free == pytest.approx(0.25)
 
 
 def test_on_a_virtual_clock_light_files_overlap_and_heavy_ones_queue():
@@ -128,6 +156,9 @@ def test_on_a_virtual_clock_light_files_overlap_and_heavy_ones_queue():
     unmeasured = [job(i, expected=10.0) for i in range(4)]
     runs, _ = simulate([], unmeasured, cpu_slots=2)
     assert max(run.end for run in runs) == 20.0  # one core each: two at a time
+    near_half = [job(i, cpu=0.7, expected=10.0) for i in range(6)]
+    runs, _ = simulate([], near_half, cpu_slots=2)
+    assert max(run.end for run in runs) == 20.0  # three at a time (2.1), not two (1.4)
     heavy = [job(i, cpu=1.5, expected=10.0) for i in range(2)]
     runs, _ = simulate([], heavy, cpu_slots=2)
     assert sorted((run.start, run.end) for run in runs) == [(0.0, 10.0), (10.0, 20.0)]
@@ -143,8 +174,8 @@ def placed(decisions) -> dict[int, str]:
 
 def test_each_node_of_a_cluster_has_its_own_budget():
     policy = ClusterPolicy([node("small", 0, 1), node("big", 0, 4)])
-    policy.submit([job(i, cpu=1.5, expected=9 - i) for i in range(3)] + [job(3, cpu=0.5)])
-    # 1.5-core files wait for the 4-core node (two at a time there): none runs alone on
+    policy.submit([job(i, cpu=1.8, expected=9 - i) for i in range(3)] + [job(3, cpu=0.5)])
+    # 1.8-core files wait for the 4-core node (two at a time there): none runs alone on
     # the 1-core node. The 0.5-core file goes where most cores are free.
     assert placed(policy.schedule()) == {0: "big", 1: "big", 3: "small"}
     policy.complete(0)
