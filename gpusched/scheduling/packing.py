@@ -4,7 +4,8 @@ Whenever cards or cores free up, the policy starts the largest pending job that
 fits (most GPUs, then longest expected duration, then file order) on the free
 cards with the least sufficient memory, and repeats until nothing fits. A job
 also needs room for its CPU use in the node's CPU budget (``cpu_slots`` cores),
-GPU jobs included: ``cpu_demand`` says how many cores it counts. A job that can
+GPU jobs included: ``cpu_demand`` says how many cores it counts, ``cpu_fits``
+when that is room enough (the summed demands kept nearest the budget). A job that can
 never fit is handed back as ``Unschedulable`` with the reason instead of being
 waited for.
 """
@@ -140,7 +141,8 @@ class Packer:
     """The default policy. Called by the runner only; every method is O(jobs x cards).
 
     ``cpu_slots`` is the node's CPU budget in cores: the jobs running at once
-    never count more than that (``cpu_demand``), but for one job alone.
+    count about that much (``cpu_demand``; over by less than the cores a job
+    would otherwise leave idle, see ``cpu_fits``), a job needing all of it alone.
     """
 
     def __init__(self, cards: Sequence[Card], cpu_slots: int) -> None:
