@@ -7,9 +7,10 @@ budget, quarantine); the policy adds only the choice of the node. Its order is
 ``order.queue_order``'s: jobs needing a whole node first, then the longest
 expected, and on a first run (equal expectations) the width with the most
 pending jobs. Each job goes to a node where its CPU use fits beside what runs
-there (``Packer.cpu_fits``; it waits for a node whose budget is that large, unless none is; then it
-runs alone on any): the one where its cards fit with the least memory to spare, then the one
-with the fewest free cards (so large holes stay open for large jobs); a CPU job
+there (``Packer.cpu_fits``; it waits for a node whose budget is that large,
+unless none is; then it runs alone on any): the one where its cards fit with
+the least memory to spare, then the one with the fewest free cards (so large
+holes stay open for large jobs); a CPU job
 goes to the node with the most free cores. A job never spans nodes: a job
 needing more cards than any node has is ``Unschedulable`` with the reason.
 
