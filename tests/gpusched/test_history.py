@@ -245,14 +245,19 @@ def _seed_file(path: Path, seconds: dict[str, float]) -> Path:
 
 
 def test_a_first_run_with_a_seed_starts_the_longest_seeded_file_first(tmp_path, run_gpusched):
-    """No .gpusched/ yet (a fresh clone, a CI job without a cache), one CPU slot: without the
-    seed the files start in file order; with it, the file the seed knows as long starts first."""
+    """No .gpusched/ yet (a fresh clone, a CI job without a cache), two CPU slots: without the
+    seed the files start in file order; with it, the file the seed knows as long starts first.
+
+    Two slots, not one: collection keeps one and the seed's longest file starts early on the
+    other, so the order does not depend on whether the streaming collection reports both files
+    before the runner first schedules (with one slot, the first file found could start at once).
+    """
     for name in ("test_a.py", "test_z.py"):
         (tmp_path / name).write_text("def test_it():\n    pass\n")
     seed = _seed_file(tmp_path / "durations.json", {"test_a.py": 1.0, "test_z.py": 60.0})
 
     def starts(*args: str) -> list[str]:
-        done = run_gpusched("run", ".", "--cpu-slots", "1", *args, timeout=hang_guard(120))
+        done = run_gpusched("run", ".", "--cpu-slots", "2", *args, timeout=hang_guard(120))
         assert done.returncode == 0, done.stdout + done.stderr
         shutil.rmtree(tmp_path / ".gpusched")
         return [line.split()[1] for line in done.stdout.splitlines() if line.startswith("START")]
