@@ -16,9 +16,11 @@ import itertools
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -51,6 +53,9 @@ class ServerSpec:
     log_path: Path  # the server's own output
     run_id: str
     timeout: float  # seconds to wait for the server to be ready
+    # Where the server's warm-up directory is made (None: the temp dir). An owner that can die
+    # before it closes the server gives a directory that is removed all the same (an agent's).
+    scratch: Path | None = None
 
 
 def server_spec(
@@ -159,10 +164,13 @@ def server_env(base: Mapping[str, str], placeholder: str) -> dict[str, str]:
 class ForkServer:
     """A running fork server. Not thread-safe: used from the session, then from the event loop."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, placeholder: str) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, sock: socket.socket, placeholder: str, warm: str
+    ) -> None:
         self.proc = proc
         self.sock = sock
         self.placeholder = placeholder
+        self.warm = warm  # the empty directory of its warm-up; removed by ``close``
         self.exits: dict[int, int] = {}
         self.hello: dict[str, Any] = {}
         self.timeout = 300.0  # seconds to wait for the hello
@@ -178,12 +186,21 @@ class ForkServer:
     def launch(cls, spec: ServerSpec, wait: bool = True) -> ForkServer:
         """Start the server process and wait for its first message (``hello``).
 
-        With ``wait=False`` it returns at once; ``ready`` waits later.
+        With ``wait=False`` it returns at once; ``ready`` waits later. The
+        server's warm-up directory is made here and removed by ``close``, once
+        the server is gone: a server killed during its warm-up (``close``, a
+        sweep) could not remove one of its own.
         """
         placeholder = placeholder_tag(spec.run_id)
+        warm = tempfile.mkdtemp(prefix="gpusched-warm-", dir=spec.scratch)
         ours, theirs = socket.socketpair()
         config = json.dumps(
-            {"preload": list(spec.preload), "auto": list(spec.auto), "placeholder": placeholder}
+            {
+                "preload": list(spec.preload),
+                "auto": list(spec.auto),
+                "placeholder": placeholder,
+                "warm": warm,
+            }
         )
         try:
             with open(spec.log_path, "ab") as log:
@@ -196,9 +213,13 @@ class ForkServer:
                     pass_fds=(theirs.fileno(),),
                     process_group=0,
                 )
+        except BaseException:
+            ours.close()
+            shutil.rmtree(warm, ignore_errors=True)
+            raise
         finally:
             theirs.close()
-        server = cls(proc, ours, placeholder)
+        server = cls(proc, ours, placeholder, warm)
         server.timeout = spec.timeout
         if wait:
             server.ready()
@@ -394,6 +415,7 @@ class ForkServer:
         root = self.proc.pid if self.proc.poll() is None else None
         kill_job(root, self.proc.pid, self.placeholder, grace=1.0)
         self.proc.wait()
+        shutil.rmtree(self.warm, ignore_errors=True)
 
 
 def top_level_package(entry: str) -> str:

@@ -4,7 +4,9 @@ Started by the runner (``gpusched.execution.forkclient``) as ``python .../gpusch
 CONFIG`` (a script: it imports only the standard library and pytest), where ``FD`` is its end of a socket pair. It imports pytest, warms up
 pytest's plugin machinery with one ``--collect-only`` session on an empty
 directory (which imports every installed plugin through pytest's own
-assertion-rewriting hook, as a fresh child would), imports the preload modules
+assertion-rewriting hook, as a fresh child would; the directory, ``CONFIG["warm"]``,
+is made and removed by the runner, since the server may be killed before it could
+remove one of its own), imports the preload modules
 (``torch``, ...) one by one, checks that nothing unsafe happened, freezes the
 heap (``gc.freeze``) and says ``ready``. Then, for each request, it forks a
 child that takes its own process group, its log as stdout/stderr, the complete
@@ -39,7 +41,6 @@ import select
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import traceback
 import weakref
@@ -200,8 +201,8 @@ def _write(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall((_encode(message) + "\n").encode())
 
 
-def _warm_up_pytest() -> None:
-    """One ``--collect-only`` session on an empty directory, output discarded.
+def _warm_up_pytest(empty: str) -> None:
+    """One ``--collect-only`` session on the directory ``empty``, output discarded.
 
     It imports the installed plugins through pytest's assertion-rewriting hook
     (a child then finds them imported the way it would have imported them,
@@ -216,10 +217,7 @@ def _warm_up_pytest() -> None:
     try:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        with tempfile.TemporaryDirectory(prefix="gpusched-warm-") as empty:
-            pytest.main(
-                ["--collect-only", "-q", "-p", "no:cacheprovider", "--rootdir", empty, empty]
-            )
+        pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--rootdir", empty, empty])
     finally:
         if addopts is not None:
             os.environ["PYTEST_ADDOPTS"] = addopts
@@ -242,8 +240,10 @@ def import_preload(name: str) -> None:
             importlib.import_module(f"{module_name}.{attribute}")
 
 
-def prepare(preload: Sequence[str], auto: Sequence[str]) -> dict[str, Any]:
+def prepare(preload: Sequence[str], auto: Sequence[str], warm: str) -> dict[str, Any]:
     """Import pytest, the plugins and the preload modules; the ``ready``/``unsafe`` message.
+
+    ``warm`` is an empty directory for pytest's warm-up session (the runner's to remove).
 
     A user-named module that fails to import is an error; an automatically
     found one is dropped. The state is checked after each step so the message
@@ -252,7 +252,7 @@ def prepare(preload: Sequence[str], auto: Sequence[str]) -> dict[str, Any]:
     import pytest  # noqa: F401 - the point is to have it imported
 
     DISTRIBUTIONS.install()
-    _warm_up_pytest()
+    _warm_up_pytest(warm)
     problem = unsafe_state()
     if problem:
         return {
@@ -474,7 +474,7 @@ def main(argv: Sequence[str]) -> int:
     sys.path[0] = os.getcwd()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles Ctrl-C for everyone
     sock = socket.socket(fileno=fd)
-    hello = prepare(config["preload"], config["auto"])
+    hello = prepare(config["preload"], config["auto"], config["warm"])
     _write(sock, hello)
     if hello["event"] != "ready":
         return 0

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from deadlines import hang_guard
+from deadlines import hang_guard, wait_until
 
+from gpusched.execution.forkclient import ForkServer, ServerSpec, new_run_id
 from gpusched.execution.forkserver import PAD_VARIABLE, import_preload, retag_environ_block
 from gpusched.execution.preload import (
     auto_preload,
@@ -533,6 +536,23 @@ def test_children_leave_the_servers_exit_finalizers_to_the_server(
     # collection child and the file's child, three files each.
     assert lines.count("child") == 6
     assert lines.count("server") == 1  # the server's ran once, when the server exited
+
+
+def test_a_server_killed_during_its_warm_up_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
+    """A sweep may kill the server before it is ready (its agent died): none of its files stay."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the server's, as the runner's environment
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # this process's, read once and kept
+    spec = ServerSpec((), (), os.environ, tmp_path / "forkserver.log", new_run_id(), 60.0)
+    server = ForkServer.launch(spec, wait=False)
+    try:
+        wait_until(lambda: list(tmp.iterdir()), 30, "the warm-up directory", poll_s=0.01)
+        server.proc.send_signal(signal.SIGKILL)  # as the sweep's KILL: no chance to clean up
+        server.proc.wait()
+    finally:
+        server.close(wait=0.0)
+    assert list(tmp.iterdir()) == []
 
 
 def test_a_run_that_fails_before_using_its_early_server_kills_it(make_suite, tmp_path, monkeypatch):
