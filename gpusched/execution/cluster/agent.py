@@ -222,6 +222,8 @@ class NodeAgent:
         self._server: ForkServer | None = None
         self._by_path: dict[str, int] = {}
         self._work: Path | None = None
+        # Its temporary directories: removed by ``_close``, or by its watchdog if it dies first.
+        self._temporary: list[str] = []
         self._watchdog: int | None = None
         self._cards: dict[str, Card] = {}
         self._root = Path.cwd()
@@ -272,11 +274,14 @@ class NodeAgent:
         if config.code_root is not None:
             self._root = Path(config.code_root)
             os.chdir(self._root)  # children start here, as under Ray's working_dir
-        self._watchdog = watchdog.launch(f"{config.run_id}-")
         tmp_root, tmp_warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
         if tmp_warning:
             self.emit(Note(f"gpusched: warning: {tmp_warning}"))
         self._work = Path(tempfile.mkdtemp(prefix="gpusched-agent-"))
+        # The parent of its files' RAY_TMPDIRs, named as short as theirs for Ray's socket paths.
+        ray_tmp_root = tempfile.mkdtemp(prefix="gs", dir=tmp_root)
+        self._temporary = [str(self._work), ray_tmp_root]
+        self._watchdog = watchdog.launch(f"{config.run_id}-", self._temporary)
         log_dir = self._work / "logs"
         log_dir.mkdir()
         simulated = bool(os.environ.get(SIMULATE_VARIABLE))
@@ -287,7 +292,7 @@ class NodeAgent:
             simulated=simulated,
             log_dir=log_dir,
             work_dir=self._work,
-            tmp_root=tmp_root,
+            tmp_root=ray_tmp_root,
             run_id=config.run_id,
             reruns=config.reruns,
             rootdir=str(self._root),
@@ -417,6 +422,7 @@ class NodeAgent:
             log_dir / "forkserver.log",
             config.run_id,
             config.server_timeout,
+            scratch=self._work,
         )
         startup = start_server(spec)
         for note in startup.notes:
@@ -436,9 +442,10 @@ class NodeAgent:
         if release is not None:
             self._release = None
             release.__exit__(None, None, None)
-        if self._work is not None:
-            shutil.rmtree(self._work, ignore_errors=True)
-            self._work = None
+        for path in self._temporary:
+            shutil.rmtree(path, ignore_errors=True)
+        self._temporary = []
+        self._work = None
         if self._watchdog is not None:
             os.close(self._watchdog)  # the watchdog sweeps (nothing is left) and exits
             self._watchdog = None

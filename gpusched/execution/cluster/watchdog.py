@@ -7,18 +7,23 @@ start each agent launches this watchdog, detached from it (a new session, not
 its child), holding the read end of a pipe whose write end only the agent has.
 When the pipe reaches end of file (the agent exited, however), the watchdog
 kills every process whose job tag belongs to the agent's run on this node
-(``PREFIX*``: its files, what they started, its fork server), then exits.
+(``PREFIX*``: its files, what they started, its fork server), then removes the
+agent's temporary directories (``PATH...``: its work dir, the parent of its
+files' ``RAY_TMPDIR``s), and exits. The processes go first, so that none of
+them writes there again.
 
-    python -m gpusched.execution.cluster.watchdog RUN_PREFIX  < pipe
+    python -m gpusched.execution.cluster.watchdog RUN_PREFIX [PATH...]  < pipe
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import psutil
 
@@ -61,16 +66,18 @@ def _signal(proc: psutil.Process, signum: int) -> None:
         pass
 
 
-def launch(prefix: str) -> int:
+def launch(prefix: str, paths: Sequence[str] = ()) -> int:
     """Start the watchdog for ``prefix``; return the write end of its pipe (close it to fire).
 
-    Called by the agent. The descriptor is not inherited by anything the agent
-    starts later (PEP 446), so only the agent's own exit closes it.
+    Called by the agent. When it fires, the watchdog kills the run's processes
+    on this node, then removes ``paths`` (directories, with what is in them).
+    The descriptor is not inherited by anything the agent starts later
+    (PEP 446), so only the agent's own exit closes it.
     """
     read_end, write_end = os.pipe()
     try:
         starter = subprocess.Popen(
-            [sys.executable, "-m", "gpusched.execution.cluster.watchdog", prefix],
+            [sys.executable, "-m", "gpusched.execution.cluster.watchdog", prefix, *paths],
             stdin=read_end,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -84,7 +91,7 @@ def launch(prefix: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    prefix = argv[0]
+    prefix, paths = argv[0], argv[1:]
     if os.fork():
         os._exit(0)  # the starter: the agent reaps it; the watchdog is nobody's child now
     try:
@@ -93,6 +100,8 @@ def main(argv: list[str]) -> int:
     except OSError:
         pass
     sweep(prefix)
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
     return 0
 
 

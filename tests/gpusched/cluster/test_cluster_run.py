@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 
 import pytest
 from deadlines import hang_guard, wait_until
@@ -30,6 +32,21 @@ from conftest import (
 def _node_of(tag: str) -> str:
     """The node part of a job tag (``RUN-NODE-JOB-ATTEMPT``): the start of the node's id."""
     return tag.split("-")[1]
+
+
+@pytest.fixture
+def node_tmpdir() -> Iterator[str]:
+    """An empty TMPDIR for an extra node, short enough for gpusched to put RAY_TMPDIRs under it."""
+    with tempfile.TemporaryDirectory(prefix="gsn", dir="/tmp", ignore_cleanup_errors=True) as path:
+        yield path
+
+
+def _emptied(folder: str, quiet_bound_s: float) -> None:
+    """Wait until ``folder`` is empty; fail naming what is left in it."""
+    try:
+        wait_until(lambda: not os.listdir(folder), quiet_bound_s, f"{folder} to be emptied")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; left: {sorted(os.listdir(folder))}") from None
 
 
 def test_files_spread_over_nodes_on_node_local_cards(cluster_shared, tmp_path):
@@ -109,10 +126,11 @@ def test_version_mismatch_is_refused_naming_the_node(cluster_shared, tmp_path):
     assert not records(tmp_path)
 
 
-def test_node_removed_mid_run_has_its_files_run_elsewhere(cluster_shared, tmp_path):
+def test_node_removed_mid_run_has_its_files_run_elsewhere(cluster_shared, tmp_path, node_tmpdir):
     files = {f"test_big{i}.py": recording_file(tmp_path, 4, 3.0) for i in range(3)}
     write_suite(tmp_path, files)
-    with extra_node(cluster_shared, {"GPUSCHED_SIMULATE_GPUS": "4"}) as node:
+    node_env = {"GPUSCHED_SIMULATE_GPUS": "4", "TMPDIR": node_tmpdir}
+    with extra_node(cluster_shared, node_env) as node:
         short = node.node_id[:6]
         proc = start_gpusched(
             tmp_path, "run", ".", "--ray", cluster_shared.address, "--json", "r.json"
@@ -146,6 +164,9 @@ def test_node_removed_mid_run_has_its_files_run_elsewhere(cluster_shared, tmp_pa
         "the lost node's files to be gone",
     )
     assert not run_processes(run_id)
+    # Nor did its temporary files: the agent's work dir, its files' RAY_TMPDIRs, the fork
+    # server's warm-up dir (its watchdog removed them).
+    _emptied(node_tmpdir, 15)
 
 
 def test_ctrl_c_kills_every_file_on_every_node(cluster_shared, tmp_path):
