@@ -16,6 +16,10 @@ NETWORK_FILESYSTEMS = frozenset(
 
 
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
+# Ray's longest socket path is RAY_TMPDIR/session_<date>_<time>_<us>_<pid>/sockets/plasma_store
+# (64 bytes past RAY_TMPDIR with a 7-digit pid), and an AF_UNIX path has at most 107.
+RAY_TMPDIR_MAX = 107 - 64
+TMP_LEVEL = len("/gs") + 8  # one level of ``mkdtemp(prefix="gs")`` under the root
 """Ray's setting for the niceness of its worker processes (Ray's default: 15)."""
 
 
@@ -78,16 +82,20 @@ def is_network_fs(fs_type: str | None) -> bool:
     )
 
 
-def local_tmp_root(tmpdir: str | None, mounts: Iterable[str]) -> tuple[str, str | None]:
+def local_tmp_root(
+    tmpdir: str | None, mounts: Iterable[str], levels: int = 1
+) -> tuple[str, str | None]:
     """A short directory on local disk for per-job Ray temp dirs, and a warning if TMPDIR was unfit.
 
     Ray's socket paths must stay under 107 bytes and Ray hangs on NFS, so a
-    network ``TMPDIR`` is replaced by ``/tmp`` (or ``/dev/shm``).
+    network ``TMPDIR``, or one too long for ``levels`` short temp dirs under it
+    (one per job; a cluster node adds its own), is replaced by ``/tmp`` (or
+    ``/dev/shm``).
     """
     mounts = list(mounts)
     candidate = tmpdir or "/tmp"
     fs_type = filesystem_type(candidate, mounts)
-    if not is_network_fs(fs_type) and len(candidate) <= 40:
+    if not is_network_fs(fs_type) and len(candidate) <= RAY_TMPDIR_MAX - levels * TMP_LEVEL:
         return candidate, None
     for fallback in ("/tmp", "/dev/shm"):
         if os.path.isdir(fallback) and not is_network_fs(filesystem_type(fallback, mounts)):

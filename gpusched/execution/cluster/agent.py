@@ -274,7 +274,7 @@ class NodeAgent:
         if config.code_root is not None:
             self._root = Path(config.code_root)
             os.chdir(self._root)  # children start here, as under Ray's working_dir
-        tmp_root, tmp_warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts())
+        tmp_root, tmp_warning = local_tmp_root(os.environ.get("TMPDIR"), read_mounts(), levels=2)
         if tmp_warning:
             self.emit(Note(f"gpusched: warning: {tmp_warning}"))
         self._work = Path(tempfile.mkdtemp(prefix="gpusched-agent-"))

@@ -71,6 +71,18 @@ def test_local_short_tmpdir_is_kept():
     assert root == "/tmp" and "too long" in warning
 
 
+def test_a_tmpdir_is_kept_only_if_ray_s_sockets_fit_under_the_levels_made_in_it():
+    """The longest socket path Ray makes under a per-job dir must stay within 107 bytes."""
+    session = "/session_2026-11-29_03-40-03_996063_1234567/sockets/plasma_store"
+    for levels in (1, 2):
+        for length in (20, 30, 40):
+            tmpdir = "/tmp/" + "x" * (length - len("/tmp/"))
+            root, _ = local_tmp_root(tmpdir, MOUNTS, levels)
+            longest = len(root) + levels * len("/gsabcdefgh") + len(session)
+            assert longest <= 107, (levels, length, root)
+            assert (root == tmpdir) == (length + levels * 11 + len(session) <= 107)
+
+
 @pytest.mark.timeout(hang_guard(240))
 def test_two_files_start_two_separate_ray_clusters(checked):
     pytest.importorskip("ray")
