@@ -53,6 +53,9 @@ RECORDING_TEST = """
         with open(os.path.join({marks!r}, tag + ".start"), "w") as out:
             out.write(os.path.basename(__file__))
         time.sleep({sleep})
+        release = {release!r}  # None, or a file whose creation ends this test (2 min at most)
+        while release and not os.path.exists(release) and time.time() < start + 120:
+            time.sleep(0.05)
         with open({log!r}, "a") as out:
             out.write(json.dumps({{
                 "file": os.path.basename(__file__), "cards": os.environ["CUDA_VISIBLE_DEVICES"],
@@ -360,12 +363,17 @@ def write_suite(root: Path, files: Mapping[str, str]) -> None:
         (root / name).write_text(textwrap.dedent(source))
 
 
-def recording_file(root: Path, gpus: int, sleep: float, escapee: bool = False) -> str:
+def recording_file(
+    root: Path, gpus: int, sleep: float, escapee: bool = False, release: Path | None = None
+) -> str:
+    """A test file that records its cards and times; it lasts ``sleep`` seconds, then, with
+    ``release``, until that file exists (the test creates it when the file may end)."""
     marks = root / "marks"
     marks.mkdir(exist_ok=True)
     return RECORDING_TEST.format(
         marker=f"@pytest.mark.gpu({gpus})" if gpus else "",
         sleep=sleep,
+        release=str(release) if release is not None else None,
         log=str(root / "record.jsonl"),
         marks=str(marks),
         escapee=escapee,

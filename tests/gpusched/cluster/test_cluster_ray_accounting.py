@@ -27,10 +27,13 @@ from conftest import (
 
 GPU_NODE = ({"GPUSCHED_SIMULATE_GPUS": "2", "--num-gpus": "2"},)
 
-# Another Ray job: one task that needs a GPU; prints when it started and which card it got.
+# Another Ray job: one task that needs a GPU. It prints "queued" once Ray's GCS lists the
+# task among the demands it cannot place yet ("ran at once" if it ran first), then when
+# the task started and which card it got.
 TASK = """
 import json, os, sys, time
 import ray
+from ray.autoscaler.v2.sdk import get_cluster_resource_state
 
 ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
 
@@ -38,8 +41,18 @@ ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
 def use_a_card():
     return {"start": time.time(), "cards": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
-print("submitted", flush=True)
-print(json.dumps(ray.get(use_a_card.remote())), flush=True)
+def queued():
+    state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
+    return any(d.request.resources_bundle.get("GPU") for d in state.pending_resource_requests)
+
+card = use_a_card.remote()
+while not ray.wait([card], timeout=0.05)[0]:
+    if queued():
+        print("queued", flush=True)
+        break
+else:
+    print("ran at once", flush=True)
+print(json.dumps(ray.get(card)), flush=True)
 ray.shutdown()
 """
 
@@ -82,14 +95,17 @@ def _ray_job(cluster, source: str) -> subprocess.Popen:
 
 def test_a_ray_task_for_a_gpu_waits_until_the_run_releases_the_cards(gpu_cluster_shared, tmp_path):
     cluster = gpu_cluster_shared
-    write_suite(tmp_path, {"test_long.py": recording_file(tmp_path, 1, 6.0)})
+    release = tmp_path / "release"  # the file holds its card until the test creates this
+    write_suite(tmp_path, {"test_long.py": recording_file(tmp_path, 1, 0, release=release)})
     run = start_gpusched(tmp_path, "run", ".", "--ray", cluster.address, env=cluster.env())
     task = None
     try:
         wait_until(lambda: started(tmp_path) or run.poll() is not None, 90, "the file to start")
         assert started(tmp_path), (tmp_path / "gpusched.out").read_text()
         task = _ray_job(cluster, TASK)
-        assert task.stdout.readline().strip() == "submitted"
+        # Ray holds the task back while the run has the cards, so the file ends only then.
+        assert task.stdout.readline().strip() == "queued"
+        release.touch()
         code = run.wait(timeout=hang_guard(90))
         ended = time.time()
         answer = json.loads(task.stdout.readline())
