@@ -93,10 +93,38 @@ def test_a_corrupt_history_is_reported_and_plan_goes_on_without_it(suite):
 
 
 def test_run_packs_longest_expected_first_and_records_every_file(suite):
+    """Files start as the collection finds them, so test_a.py (both cards) holds them until
+    the run says collection is done: the order of the rest is then the packing's alone."""
     write_history(suite, dump_history({k: Entry(v, v, 2) for k, v in KNOWN.items()}))
-    done = gpusched(suite, "run")
-    assert done.returncode == 0, done.stdout + done.stderr
-    started = re.findall(r"^START\s+(\S+)", done.stdout, re.MULTILINE)
+    collected = suite / "collected"
+    (suite / "test_a.py").write_text(
+        "import os, time\nimport pytest\npytestmark = pytest.mark.gpu(2)\n"
+        "def test_x():\n"
+        f"    deadline = time.monotonic() + {hang_guard(60)}\n"
+        f"    while not os.path.exists({str(collected)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n",
+        encoding="utf-8",
+    )
+    command = [sys.executable, "-m", "gpusched", "run", ".", "--simulate-gpus", "2"]
+    proc = subprocess.Popen(
+        [*command, "--cpu-slots", "1"], cwd=suite, stdout=subprocess.PIPE, text=True
+    )
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(r"gpusched: 4 files on ", line):
+                collected.touch()
+        code = proc.wait(hang_guard(120))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(lines)
+    assert code == 0, output
+    assert collected.exists(), output  # the run said collection was done
+    started = re.findall(r"^START\s+(\S+)", output, re.MULTILINE)
     assert started == ["test_a.py", "test_c.py", "test_d.py", "test_b.py"]
     history, warning = load_history(suite / ".gpusched" / "durations.json")
     assert warning is None
