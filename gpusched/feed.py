@@ -40,7 +40,7 @@ from gpusched.collection.stream import (
 )
 from gpusched.execution.forkclient import ForkServer
 from gpusched.execution.runner import Child, stop_early
-from gpusched.history import DEFAULT_SECONDS, Entry, asked_cores, history_key
+from gpusched.history import DEFAULT_SECONDS, Entry, history_key
 from gpusched.requirements import Requirement
 from gpusched.results import DEFERRED, FileResult, Outcome, TestResult, expectation
 from gpusched.scheduling import Job
@@ -186,7 +186,7 @@ class Feeder:
                 file.path,
                 self.refit(file.requirement, file.levels),
                 self._expected(file),
-                asked_cores(entry),
+                entry.cpu if entry is not None else None,
             )
             self.jobs[file.path] = job
             self.entries[file.path] = file

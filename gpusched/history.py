@@ -6,7 +6,7 @@ The history lives in ``.gpusched/durations.json``::
       "version": 1,
       "files": {
         "tests/test_model.py": {"seconds": 12.4, "last": 12.9, "runs": 5,
-                                "cpu": 1.32, "peak": 2.9, "load": 1.6},
+                                "cpu": 1.32, "peak": 2.9},
         ...
       }
     }
@@ -20,16 +20,10 @@ not know get the mean of those it knows.
 
 ``cpu`` is the cores the file's whole process tree used on average (CPU
 seconds over wall seconds, Ray workers and ranks included), ``peak`` the most
-it used over one sampling interval, ``load`` the cores it kept busy or waiting
-for a CPU on average (CPU seconds plus the seconds its threads were ready but
-waited, over wall seconds; Linux only); all moving averages like ``seconds``.
-On a machine with cores to spare ``load`` is about ``cpu``; on a busy one
-``cpu`` is the share the file got and falls with what ran beside it, while
-``load`` stays what the file asks for. So packing reads ``load``, and ``cpu``
-where a file has no ``load`` (``measured_cpu``, then
-``gpusched.scheduling.packing.cpu_demand``). All three are optional: a file
-written before they were measured, or by a run that could not measure them, is
-read as it is, and each file gets them the next time it runs.
+it used over one sampling interval; both moving averages like ``seconds``.
+Packing reads ``cpu`` (``gpusched.scheduling.packing.cpu_demand``). Both are
+optional: a file written before they were measured, or by a run that could not
+measure them, is read as it is, and each file gets them the next time it runs.
 
 Writers take an exclusive ``fcntl`` lock on ``durations.json.lock``, read,
 merge and replace the file atomically, so concurrent runs lose no entry and a
@@ -79,26 +73,22 @@ class HistoryError(ValueError):
 @dataclass(frozen=True)
 class Entry:
     """One file's record: expected seconds (moving average), the last run's seconds, run count;
-    its mean and peak CPU use and its mean load in cores (moving averages; None until
-    measured)."""
+    its mean and peak CPU use in cores (moving averages; None until it was measured)."""
 
     seconds: float
     last: float
     runs: int
     cpu: float | None = None
     peak: float | None = None
-    load: float | None = None
 
 
 @dataclass(frozen=True)
 class Observation:
-    """What one run saw of a file: its wall seconds, and its mean and peak cores and its mean
-    load if measured."""
+    """What one run saw of a file: its wall seconds, and its mean and peak cores if measured."""
 
     seconds: float
     cpu: float | None = None
     peak: float | None = None
-    load: float | None = None
 
 
 History = dict[str, Entry]
@@ -140,7 +130,7 @@ def parse_history(text: str) -> History:
                 None
                 if record.get(name) is None
                 else _number(record[name], f"entry {key!r}: {name}")
-                for name in ("cpu", "peak", "load")
+                for name in ("cpu", "peak")
             ),
         )
     return history
@@ -159,8 +149,6 @@ def dump_history(history: Mapping[str, Entry]) -> str:
             record["cpu"] = round(entry.cpu, 3)
         if entry.peak is not None:
             record["peak"] = round(entry.peak, 3)
-        if entry.load is not None:
-            record["load"] = round(entry.load, 3)
         files[key] = record
     return json.dumps({"version": VERSION, "files": files}, indent=2) + "\n"
 
@@ -183,7 +171,7 @@ def merge(history: Mapping[str, Entry], observed: Mapping[str, Observation]) -> 
     for key, seen in observed.items():
         old = merged.get(key)
         if old is None:
-            merged[key] = Entry(seen.seconds, seen.seconds, 1, seen.cpu, seen.peak, seen.load)
+            merged[key] = Entry(seen.seconds, seen.seconds, 1, seen.cpu, seen.peak)
         else:
             merged[key] = Entry(
                 WEIGHT * seen.seconds + (1 - WEIGHT) * old.seconds,
@@ -191,7 +179,6 @@ def merge(history: Mapping[str, Entry], observed: Mapping[str, Observation]) -> 
                 old.runs + 1,
                 _moved(old.cpu, seen.cpu),
                 _moved(old.peak, seen.peak),
-                _moved(old.load, seen.load),
             )
     return merged
 
@@ -242,28 +229,18 @@ def expected_durations(history: Mapping[str, Entry], keys: Sequence[str]) -> dic
 
 
 def measured_cpu(history: Mapping[str, Entry], keys: Sequence[str]) -> dict[str, float | None]:
-    """The cores each key asks for, from the history: its ``load``, else its ``cpu``; None
-    where it was never measured.
+    """Each key's mean CPU use in cores from the history; None where it was never measured.
 
     No mean of the others stands in for a missing figure: the packing policy
     has its own default for a file never measured (``cpu_demand``).
     """
-    return {key: asked_cores(history.get(key)) for key in keys}
-
-
-def asked_cores(entry: Entry | None) -> float | None:
-    """The cores a file asks for: its ``load``, else its ``cpu``; None if never measured."""
-    if entry is None:
-        return None
-    return entry.load if entry.load is not None else entry.cpu
+    return {key: entry.cpu if (entry := history.get(key)) is not None else None for key in keys}
 
 
 def observations(results: Iterable[FileResult], rootdir: str) -> dict[str, Observation]:
     """The wall time and CPU use of each file that ran to an end, keyed for the history."""
     return {
-        history_key(result.path, rootdir): Observation(
-            result.duration, result.cpu, result.cpu_peak, result.cpu_load
-        )
+        history_key(result.path, rootdir): Observation(result.duration, result.cpu, result.cpu_peak)
         for result in results
         if result.outcome in TIMED and result.end > result.start
     }

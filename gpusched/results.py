@@ -126,7 +126,6 @@ class FileResult:
     node: str = ""  # the cluster node that ran it (``--ray``); empty on one machine
     cpu: float | None = None  # cores its process tree used on average; None: not measured
     cpu_peak: float | None = None  # the most cores it used over one sampling interval
-    cpu_load: float | None = None  # cores it kept busy or waiting for a CPU on average
 
     @property
     def duration(self) -> float:

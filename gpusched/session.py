@@ -617,23 +617,16 @@ def prepare_plan(
 
 
 def say_requirements(reporter: ConsoleReporter, prepared: Prepared, jobs: Sequence[Job]) -> None:
-    """``plan``'s table: each file, what it needs, its test count, expected seconds, the
-    cores its process tree used on average and at peak, and its load, the cores it kept
-    busy or waiting on average, which packing counts (``-``: never measured)."""
-    reporter.say(
-        f"{'file':<60} {'needs':<16} {'tests':>5} {'expected':>9} {'cpu':>5} {'peak':>5} "
-        f"{'load':>5}"
-    )
+    """``plan``'s table: each file, what it needs, its test count, expected seconds, and the
+    cores its process tree used on average and at peak (``-``: never measured)."""
+    reporter.say(f"{'file':<60} {'needs':<16} {'tests':>5} {'expected':>9} {'cpu':>5} {'peak':>5}")
     tests = {entry.path: len(entry.tests) for entry in prepared.collection.files}
     for job in jobs:
         entry = prepared.entries.get(job.path)
-        cpu, peak, load = (
-            (entry.cpu, entry.peak, entry.load) if entry is not None else (None, None, None)
-        )
+        peak = entry.peak if entry is not None else None
         reporter.say(
             f"{display_path(job.path):<60} {job.requirement.describe():<16} "
-            f"{tests[job.path]:>5} {job.expected:>8.1f}s {_cores(cpu):>5} {_cores(peak):>5} "
-            f"{_cores(load):>5}"
+            f"{tests[job.path]:>5} {job.expected:>8.1f}s {_cores(job.cpu):>5} {_cores(peak):>5}"
         )
     unmeasured = sum(1 for job in jobs if job.cpu is None)
     if unmeasured:

@@ -241,59 +241,22 @@ def kill_job(
 # ---- CPU use of running jobs -----------------------------------------------------------
 
 CPU_INTERVAL = 0.5  # seconds between two scans of the running jobs' process trees
-WAITS_EVERY = 4  # scans between two readings of the threads' waits (one file per thread)
 _SETTLED = 1.0  # a process this old has exec'd if it ever will: its environment is final
 
 
 @dataclass(frozen=True)
 class CpuUse:
     """What a job's process tree used: ``seconds`` of CPU over ``wall`` seconds, and ``peak``,
-    the most cores it used over one sampling interval; ``waited``, the seconds its threads
-    were ready to run but waited for a core (None where the system does not say)."""
+    the most cores it used over one sampling interval."""
 
     seconds: float
     wall: float
     peak: float
-    waited: float | None = None
 
     @property
     def mean(self) -> float:
         """Cores used on average: CPU seconds over wall seconds."""
         return self.seconds / self.wall if self.wall > 0 else 0.0
-
-    @property
-    def load(self) -> float | None:
-        """Cores the job kept busy or waiting on average: what it would use with cores to spare.
-
-        On a busy machine ``mean`` is the share the job got, which falls as more
-        runs beside it; ``load`` adds the time its threads waited for a core,
-        so it stays what the job asks for, however loaded the machine was.
-        """
-        if self.waited is None:
-            return None
-        return (self.seconds + self.waited) / self.wall if self.wall > 0 else 0.0
-
-
-_SCHEDSTAT = "/proc/self/schedstat"  # Linux: per thread, the nanoseconds on a CPU and waiting
-
-
-def thread_waits(pid: int) -> dict[int, float]:
-    """Seconds each live thread of ``pid`` has waited to run (Linux ``schedstat``: run delay).
-
-    Empty where the process is gone or the system keeps no such figure.
-    """
-    waits: dict[int, float] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return waits
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
-                waits[int(tid)] = int(stat.read().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            continue  # the thread ended meanwhile
-    return waits
 
 
 def _cpu_total(times: Any) -> float:
@@ -322,11 +285,6 @@ class _Metered:
     last: tuple[float, float] | None = None  # (time, total) of the latest sample
     high: float | None = None  # the highest total so far: the peak counts only what is new
     peak: float = 0.0
-    wait_baseline: float = 0.0  # what the root's threads had waited before it was watched
-    # (pid, creation time, thread id) -> the seconds that thread had waited at the last scan
-    waits: dict[tuple[int, float, int], float] = field(default_factory=dict)
-    waited_before: float = 0.0  # of threads whose id a newer thread of the process took
-    waited: float = 0.0  # the total at the last scan
 
 
 class CpuMeter:
@@ -340,10 +298,6 @@ class CpuMeter:
     parent in the job to reap them. What a process used after the last scan
     before it ended is not counted, so a job is measured only once a scan saw
     it (``stop`` returns None for a job shorter than one interval).
-
-    Every ``WAITS_EVERY`` scans (and at a job's first), where Linux keeps the
-    figure, it also reads how long each thread of the jobs' processes has
-    waited for a core, which ``CpuUse.load`` adds to the CPU time.
 
     ``watch`` and ``stop`` are called by the runner on its event loop; the
     scans run in a thread of their own while a job is watched (``start``).
@@ -361,8 +315,6 @@ class CpuMeter:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._cores = float(os.cpu_count() or 1)
-        self._waits_known = os.path.exists(_SCHEDSTAT)
-        self._scans = 0
 
     def start(self) -> None:
         """Begin scanning in a daemon thread, every ``interval`` s while a job is watched."""
@@ -384,9 +336,8 @@ class CpuMeter:
             baseline = _cpu_total(psutil.Process(root_pid).cpu_times())
         except psutil.Error:
             baseline = 0.0
-        waited = sum(thread_waits(root_pid).values()) if self._waits_known else 0.0
         with self._lock:
-            self._jobs[key] = _Metered(root_pid, tag, self._clock(), baseline, wait_baseline=waited)
+            self._jobs[key] = _Metered(root_pid, tag, self._clock(), baseline)
         self._wake.set()
 
     def stop(self, key: object) -> CpuUse | None:
@@ -398,8 +349,7 @@ class CpuMeter:
         when, total = job.last
         wall = when - job.started
         seconds = min(max(0.0, total - job.baseline), self._cores * wall)
-        waited = max(0.0, job.waited - job.wait_baseline) if self._waits_known else None
-        return CpuUse(seconds, wall, job.peak, waited)
+        return CpuUse(seconds, wall, job.peak)
 
     def sample(self) -> None:
         """Scan every process once and update every watched job (blocking: the meter's thread)."""
@@ -429,16 +379,9 @@ class CpuMeter:
                     tag = self._tag_of(pid, created, now)
                     if tag in tagged:
                         tagged[tag].add(pid)
-        self._scans += 1
-        read_waits = self._waits_known and (
-            self._scans % WAITS_EVERY == 1 or any(not job.waits for job in jobs)
-        )
-        waits = {pid: thread_waits(pid) for pid in set().union(*members)} if read_waits else {}
         with self._lock:
             for job, found in zip(jobs, members, strict=True):
                 _account(job, found, table, now, self._cores)
-                if read_waits:
-                    _account_waits(job, {pid: (table[pid][0], waits[pid]) for pid in found})
 
     def _members(
         self,
@@ -530,21 +473,3 @@ def _account(
         job.peak = min(cores, max(job.peak, (total - high) / (now - since)))
     job.high = max(high, total)
     job.last = (now, total)
-
-
-def _account_waits(job: _Metered, found: dict[int, tuple[float, dict[int, float]]]) -> None:
-    """Fold one scan's thread waits of ``job``'s processes (pid -> creation time, waits) in.
-
-    A thread keeps the figure of its last scan once it ends (what it waited
-    after that scan is lost, as for CPU time), so the total never falls. A
-    thread whose figure fell is a newer thread with a reused id: the old one's
-    last figure is kept aside.
-    """
-    for pid, (created, waits) in found.items():
-        for tid, waited in waits.items():
-            key = (pid, created, tid)
-            old = job.waits.get(key)
-            if old is not None and waited < old:
-                job.waited_before += old
-            job.waits[key] = waited
-    job.waited = job.waited_before + sum(job.waits.values())

@@ -792,7 +792,7 @@ class Runner(RevisesPending):
         result.cards, result.start, result.end = cards, start, self.clock() - self.t0
         use = self.meter.stop(job.id)  # the tree is gone: its last scan is its whole use
         if use is not None:
-            result.cpu, result.cpu_peak, result.cpu_load = use.mean, use.peak, use.load
+            result.cpu, result.cpu_peak = use.mean, use.peak
         result.log, result.attempts = str(log_path), attempt
         if child is not None:
             if timed_out is None and not interrupted:

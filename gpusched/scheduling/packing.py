@@ -31,8 +31,8 @@ _EPSILON = 1e-9  # demands are summed as floats: ten files of 0.1 must fit in on
 class Job:
     """One test file to run. ``id`` is its position in file order; ``expected`` is in seconds.
 
-    ``cpu``: the cores its process tree asked for on average when it ran (its
-    load, from the durations history); None if it was never measured.
+    ``cpu``: the cores its process tree used on average when it ran (from the
+    durations history); None if it was never measured.
     """
 
     id: int

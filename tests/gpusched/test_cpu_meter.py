@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 
-import pytest
 from deadlines import hang_guard
 
 from gpusched.execution.proctree import TAG_VARIABLE, CpuMeter
@@ -188,47 +187,3 @@ def test_the_meter_thread_scans_while_a_job_is_watched():
         meter.close()
         end(proc)
     assert use is not None and use.seconds >= BURN * 0.9
-
-
-SPINNER = """
-import os, sys, time
-os.sched_setaffinity(0, {%d})
-print("pinned", flush=True)
-start = time.monotonic()
-while time.monotonic() - start < %f:
-    pass
-print("spun", flush=True)
-sys.stdin.readline()
-"""
-
-
-@pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or not os.path.exists("/proc/self/schedstat"),
-    reason="needs Linux's per-thread scheduler statistics and CPU affinity",
-)
-def test_two_jobs_sharing_one_core_each_get_half_and_each_load_it_whole():
-    """Two spinners pinned to one core: each uses half of it and waits the other half.
-
-    ``mean`` is the share each got; ``load`` adds the waiting, so it says what
-    each asks for (a whole core), as it would on a machine with cores to spare.
-    """
-    core = max(os.sched_getaffinity(0))
-    spin_s = 2.0
-    meter = CpuMeter()
-    spinners = [python(SPINNER % (core, spin_s)) for _ in range(2)]
-    try:
-        for key, proc in enumerate(spinners):
-            wait_line(proc, "pinned")
-            meter.watch(key, proc.pid, None)
-        for proc in spinners:
-            wait_line(proc, "spun")
-        meter.sample()
-        uses = [meter.stop(key) for key in range(2)]
-    finally:
-        for proc in spinners:
-            end(proc)
-    for use in uses:
-        assert use is not None and use.load is not None
-        assert use.waited is not None and use.waited > 0.3 * spin_s
-        assert use.load > 1.5 * use.mean  # each waited about as long as it ran
-        assert 0.8 <= use.load * use.wall / spin_s <= 1.3  # busy or waiting all its spin

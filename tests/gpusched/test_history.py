@@ -56,22 +56,6 @@ def test_cpu_figures_are_taken_then_moved_like_the_seconds():
     assert merged["b.py"] == Entry(2.0, 2.0, 1, cpu=0.5, peak=1.5)
 
 
-def test_the_load_is_kept_moved_and_counted_before_the_cpu():
-    history = {
-        "a.py": Entry(10.0, 10.0, 3, cpu=0.5, peak=1.0, load=1.0),
-        "b.py": Entry(1, 1, 1, 0.3),
-    }
-    merged = merge(history, {"a.py": Observation(4.0, 0.5, 1.0, 0.6)})
-    assert merged["a.py"].load == pytest.approx(0.8)
-    assert parse_history(dump_history(merged)) == merged
-    # Packing counts what a file asks for: its load, its CPU share where no load was measured.
-    assert measured_cpu(merged, ["a.py", "b.py", "c.py"]) == {
-        "a.py": pytest.approx(0.8),
-        "b.py": 0.3,
-        "c.py": None,
-    }
-
-
 def test_a_run_that_did_not_measure_cpu_keeps_the_old_figures():
     history = {"a.py": Entry(10.0, 10.0, 3, cpu=2.0, peak=4.0)}
     assert merge(history, {"a.py": Observation(4.0)})["a.py"] == Entry(7.0, 4.0, 4, 2.0, 4.0)
@@ -138,9 +122,9 @@ def test_observations_keep_files_that_ran_to_an_end(tmp_path):
         result("notrun.py", Outcome.NOT_RUN, 0.0, 0.0),
         result("skipped.py", Outcome.SKIPPED, 0.0, 0.0),
     ]
-    results[0].cpu, results[0].cpu_peak, results[0].cpu_load = 1.25, 3.0, 1.5
+    results[0].cpu, results[0].cpu_peak = 1.25, 3.0
     assert observations(results, str(tmp_path)) == {
-        "pass.py": Observation(2.0, 1.25, 3.0, 1.5),
+        "pass.py": Observation(2.0, 1.25, 3.0),
         "fail.py": Observation(3.5),
         "timeout.py": Observation(2.0),
     }

@@ -43,7 +43,7 @@ def gpusched(root, *args: str) -> subprocess.CompletedProcess:
 
 
 def expected_column(output: str) -> dict[str, float]:
-    found = re.findall(r"^(test_\w+\.py)\s.*\s([\d.]+)s\s+\S+\s+\S+\s+\S+$", output, re.MULTILINE)
+    found = re.findall(r"^(test_\w+\.py)\s.*\s([\d.]+)s\s+\S+\s+\S+$", output, re.MULTILINE)
     return {name: float(seconds) for name, seconds in found}
 
 
@@ -142,12 +142,10 @@ def test_run_packs_longest_expected_first_and_records_every_file(suite):
     assert "expected durations of 4 of 4 files" in again.stdout
 
 
-def cpu_columns(output: str) -> dict[str, tuple[str, str, str]]:
-    """``plan``'s cpu, peak and load columns by file (``-``: never measured)."""
-    found = re.findall(
-        r"^(test_\w+\.py)\s.*\s[\d.]+s\s+(\S+)\s+(\S+)\s+(\S+)$", output, re.MULTILINE
-    )
-    return {name: (cpu, peak, load) for name, cpu, peak, load in found}
+def cpu_columns(output: str) -> dict[str, tuple[str, str]]:
+    """``plan``'s cpu and peak columns by file (``-``: never measured)."""
+    found = re.findall(r"^(test_\w+\.py)\s.*\s[\d.]+s\s+(\S+)\s+(\S+)$", output, re.MULTILINE)
+    return {name: (cpu, peak) for name, cpu, peak in found}
 
 
 def test_run_measures_each_files_cpu_and_plan_shows_it(tmp_path):
@@ -166,8 +164,7 @@ def test_run_measures_each_files_cpu_and_plan_shows_it(tmp_path):
     write_history(tmp_path, json.dumps({"version": 1, "files": old}))
     before = gpusched(tmp_path, "plan")
     assert before.returncode == 0, before.stdout + before.stderr
-    never = ("-", "-", "-")
-    assert cpu_columns(before.stdout) == {"test_burn.py": never, "test_rest.py": never}
+    assert cpu_columns(before.stdout) == {"test_burn.py": ("-", "-"), "test_rest.py": ("-", "-")}
     assert "CPU use of 2 of 2 files never measured" in before.stdout
     done = gpusched(tmp_path, "run")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -178,9 +175,8 @@ def test_run_measures_each_files_cpu_and_plan_shows_it(tmp_path):
     assert burn.cpu is not None and rest.cpu is not None
     assert burn.cpu > rest.cpu  # the same wall time: one burnt its CPU, one slept
     assert burn.peak is not None and burn.peak >= burn.cpu
-    assert burn.load is not None and burn.load >= burn.cpu  # what it used, and what it waited
     after = gpusched(tmp_path, "plan")
     shown = cpu_columns(after.stdout)
-    assert shown["test_burn.py"] == (f"{burn.cpu:.2f}", f"{burn.peak:.2f}", f"{burn.load:.2f}")
+    assert shown["test_burn.py"] == (f"{burn.cpu:.2f}", f"{burn.peak:.2f}")
     assert shown["test_rest.py"][0] == f"{rest.cpu:.2f}"
     assert "never measured" not in after.stdout
