@@ -299,6 +299,7 @@ def recording(tmp_path, marker: str) -> str:
         log=str(tmp_path / "record.jsonl"),
         marks=str(tmp_path / "marks"),
         escapee=False,
+        release=None,
     )
 
 
