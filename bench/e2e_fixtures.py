@@ -217,6 +217,16 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+def _kept(proc: psutil.Process) -> bool:
+    """This process's multiprocessing resource tracker or fork server: one of each, kept by design.
+
+    The ranks the server forked show its command line too, but not this parent.
+    """
+    command = " ".join(proc.cmdline())
+    server = "multiprocessing.forkserver" in command and proc.ppid() == os.getpid()
+    return "multiprocessing.resource_tracker" in command or server
+
+
 def _naming(text: str) -> list[int]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
@@ -236,8 +246,7 @@ def leftovers() -> list[str]:
         run_distributed(_hang, 2, timeout_s=20)
     except DistributedTimeoutError:
         pass
-    tracker = "resource_tracker"
-    left = [p for p in _alive(_descendants(os.getpid())) if tracker not in " ".join(p.cmdline())]
+    left = [p for p in _alive(_descendants(os.getpid())) if not _kept(p)]
     rows.append(f"| a hung runner, after its timeout | {len(left)} |")
 
     root = _repo({"test_killed.py": _KILLED})

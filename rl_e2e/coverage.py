@@ -14,8 +14,9 @@ file that starts measuring any Python process whose environment carries
 line of user code. :class:`WorkerCoverage` puts that variable where the
 fixtures start processes: the runtime env of ``e2e_ray`` clusters (Ray tasks
 and actors, ``__init__`` included), the environment the ranks of
-``e2e_distributed`` are spawned with, the runtime env of ``e2e_ray_job`` jobs
-(the job's driver and its workers). The configuration is the session's with
+``e2e_distributed`` run in (forked, not started, so each calls coverage's
+start-up function itself as the ``.pth`` file would: :mod:`rl_e2e.distributed`),
+the runtime env of ``e2e_ray_job`` jobs (the job's driver and its workers). The configuration is the session's with
 four changes: each process writes a data file of its own (``parallel``) in a
 private directory, coverage saves on SIGTERM, its lines carry the static
 context :data:`WORKER_CONTEXT` (a report can leave them out), and this module
@@ -241,12 +242,6 @@ class WorkerCoverage:
             FILE_VARIABLE: config.data_file,
         }
         return measured
-
-    def environ(self) -> contextlib.AbstractContextManager[None]:
-        """Set :attr:`env` in ``os.environ`` meanwhile (for processes started then); restore it."""
-        from rl_e2e.source import patched_environ  # not in the workers, which import this module
-
-        return patched_environ(self.env)
 
     def save(self, timeout_s: float = _SAVE_TIMEOUT_S) -> list[int]:
         """Ask every measured process still alive to save its data; wait until each has.

@@ -1,7 +1,11 @@
 """Run a function on N local processes joined in one ``torch.distributed`` group.
 
 Used by tests (and benchmarks) that need real collectives without Ray: each rank
-is a fresh ``spawn`` process, so CUDA and gloo state never leak between runs.
+is a fresh process, forked by multiprocessing's fork server from a clean
+process that imported torch and ``torch.distributed`` and did nothing else (no
+torch operation, no CUDA, no gloo), so no CUDA or gloo state leaks between
+runs, and no rank inherits the caller's memory, threads or open files; only
+the imports are not repeated.
 
 Failure handling is the point of this module. The caller always gets control
 back within ``startup_timeout_s`` plus ``timeout_s``, and what it gets explains
@@ -19,14 +23,35 @@ The two timeouts are apart so that a tight one is not flaky: ``timeout_s``
 counts from the moment the last rank joined the group, so a rank that never
 arrives at a collective is cut ``timeout_s`` into ``fn``, however long the
 imports took on a loaded machine; ``startup_timeout_s`` bounds the start-up
-itself (spawning, imports, the rendezvous).
+itself (starting the processes, imports, the rendezvous).
 
 The rendezvous cannot race with another run on the machine: the caller holds
 the ``TCPStore`` on a port the OS gave it (port 0), and the ranks connect to
 it; no port is probed and released. Each rank's stdout and stderr go to files
 in a log directory (:class:`RankLogs`), which the e2e plugin attaches to the
-test's report. A rank dies with its caller (``PR_SET_PDEATHSIG``), so a caller
-killed with SIGKILL leaves no rank behind.
+test's report. A rank dies with its caller, so a caller killed with SIGKILL
+leaves neither a rank nor the fork server behind: the server exits as soon as
+its caller is gone, and each rank dies with the server (``PR_SET_PDEATHSIG``).
+
+The fork server is multiprocessing's own: one per calling process (all its
+contexts, a new one included, use the same), started by the process's first
+run, which waits for the server's one import of torch and ``torch.distributed``
+(about 1.2 CPU seconds on the 2-core machine; each rank after it then costs
+about 0.05 CPU seconds, against 1.3 for one importing torch itself:
+``bench/rank_start.py``).
+It imports :mod:`rl_e2e.rank_server` and nothing else (not the caller's
+``__main__``), which never initialises CUDA, so a rank may use CUDA
+(``backend="nccl"``). A process forked from the caller starts a server of its
+own. Other code of the caller that uses the fork server shares it and its
+preload list; a server that other code started before the first run still
+serves the ranks, which then import torch themselves.
+
+A rank runs in the caller's environment, directory and ``sys.path`` as they
+are when the run starts, not in the server's; only what torch reads once as
+it is imported (``TORCH_LOGS``, say) keeps its value of when the server
+started (``TORCH_DISTRIBUTED_DEBUG`` is read again). A rank leaves by
+``os._exit``, as every child of the server does: ``atexit`` handlers do not run
+in it (coverage's data is saved before).
 """
 
 from __future__ import annotations
@@ -39,16 +64,19 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rl_e2e.coverage import WorkerCoverage, start_measuring
+from rl_e2e.coverage import CONFIG_VARIABLE, START_VARIABLE, WorkerCoverage, start_measuring
 
 __all__ = [
     "DistributedRankError",
@@ -63,7 +91,7 @@ _STACK_WAIT_S = 2.0
 # After a rank failed or finished: how long the others get to exit after SIGTERM.
 _TERM_GRACE_S = 2.0
 _SAVE_EXIT_S = 30.0  # under coverage: how long ranks that reported get to exit (and save) alone
-#: Default bound on start-up: spawning, imports, unpickling ``fn`` and ``args``, the rendezvous.
+#: Default bound on start-up: starting the ranks, unpickling ``fn`` and ``args``, the rendezvous.
 STARTUP_TIMEOUT_S = 300.0
 # The group's own timeout is longer than the run's, so that the caller cuts a hang
 # (with every rank's stack) before a waiting rank's collective raises on its own.
@@ -71,6 +99,9 @@ _COLLECTIVE_GRACE_S = 30.0
 # How much of each rank's output an error message quotes.
 _TAIL_LINES = 20
 _STACK_SIGNAL = signal.SIGUSR1
+# The one module the fork server imports (torch with it): see rl_e2e/rank_server.py.
+_SERVER_PRELOAD = "rl_e2e.rank_server"
+_PR_SET_PDEATHSIG = 1
 
 
 class DistributedRankError(RuntimeError):
@@ -247,17 +278,90 @@ class _Joined:
     rank: int
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+class _Call:
+    """``fn`` and ``args`` on their way to a rank, which unpickles them itself (:class:`_Packed`).
 
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    Pickled inside the pickling of the rank's process, by multiprocessing's
+    pickler, so torch's reductions still send argument tensors as shared
+    memory (their file descriptors travel with the rank's, at most about 250 of
+    them); unpickled by the rank once its output goes to its files, so a
+    module that fails to import there is that rank's error, with its traceback.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[type[_Packed], tuple[bytes]]:
+        return (_Packed, (bytes(ForkingPickler.dumps((self.fn, self.args))),))
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A :class:`_Call` as the rank receives it."""
+
+    data: bytes
+
+    def unpack(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return ForkingPickler.loads(self.data)
+
+
+def _die_with_caller(server_pid: int) -> None:
+    """Make this rank die with its caller, though its parent is the fork server.
+
+    The server exits when the last copy of the write end of its "alive" pipe
+    is closed: the caller holds one, and every process the server forks
+    inherits one. So the rank asks Linux to SIGKILL it when the server exits
+    (``PR_SET_PDEATHSIG``), then closes its copy: a caller killed with SIGKILL
+    takes the server with it, and the server its ranks. The server cannot have
+    exited before the ``prctl``, since this rank still held a copy; one killed
+    from outside meanwhile has the rank leave at once. Off Linux, only the copy
+    is closed.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != server_pid:
+            os._exit(1)
+    _forget_fork_server()
+
+
+def _forget_fork_server() -> None:
+    """Drop what this process inherited of another process's fork server (its "alive" pipe).
+
+    Run in each rank, and in any process forked from a process that imported
+    this module (``os.register_at_fork``): the fork server belongs to the
+    process that started it, so a forked child that kept its pid would fail
+    to wait for it (``ChildProcessError``) at its first run, instead of
+    starting a server of its own, and its copy of the pipe would keep the
+    server, and so the ranks, alive after their caller died. Imports nothing.
+    """
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    if forkserver is None:  # no fork server was ever started or used here
+        return
+    server = forkserver._forkserver  # no public API: the stdlib keeps it in a module global
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+
+
+os.register_at_fork(after_in_child=_forget_fork_server)
+
+
+def _measure_rank() -> Any:
+    """Start coverage if the caller's environment asks for it; the started ``Coverage``, or None.
+
+    What coverage's ``.pth`` file does as a Python process starts, which a
+    forked rank does not do: the fork server is started unmeasured
+    (:func:`_fork_server`), and the rank takes the caller's environment after
+    the fork. Imports nothing when coverage is off.
+    """
+    if not (os.environ.get(CONFIG_VARIABLE) or os.environ.get(START_VARIABLE)):
+        return None
+    import coverage
+
+    return coverage.process_startup()
 
 
 def _redirect_output(logs: RankLogs, rank: int) -> None:
@@ -284,17 +388,21 @@ def _rank_main(
     startup_timeout_s: float,
     conn: Connection,
     logs: RankLogs,
-    parent_pid: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
+    server_pid: int,
+    environ: dict[str, str],
+    call: _Packed,
 ) -> None:
-    """Body of one spawned rank: join the group, run ``fn``, report, leave the group.
+    """Body of one rank, forked by the fork server: join the group, run ``fn``, report, leave.
 
     The outcome is sent (synchronously) before the group is destroyed: peers
     only see connection errors after the real cause is on its way to the caller.
     """
-    _die_with_parent(parent_pid)
+    _die_with_caller(server_pid)
+    # The caller's environment as the run started; the server's dates from its own start.
+    os.environ.clear()
+    os.environ.update(environ)
     _redirect_output(logs, rank)
+    measured = _measure_rank()
     os.environ.update(
         MASTER_ADDR=MASTER_ADDR,
         MASTER_PORT=str(port),
@@ -309,6 +417,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    dist.set_debug_level_from_env()  # read as the server imported torch.distributed, in its env
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: ranks sharing a host must not each spin a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -316,6 +425,7 @@ def _rank_main(
         try:
             if backend == "nccl":
                 torch.cuda.set_device(rank)
+            fn, args = call.unpack()
             store = dist.TCPStore(
                 MASTER_ADDR,
                 port,
@@ -329,6 +439,11 @@ def _rank_main(
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s + _COLLECTIVE_GRACE_S),
             )
+            if backend == "gloo":
+                # Every rank connected before any runs fn: one whose fn returns at once
+                # would close its connections while a peer still reads on its own, and
+                # gloo fails that peer's join ("Connection closed by peer").
+                dist.barrier()
             conn.send(_Joined(rank))
             outcome = _Outcome(rank, True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
@@ -339,6 +454,9 @@ def _rank_main(
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
+        if measured is not None:  # the rank leaves by os._exit, past coverage's exit handler
+            measured.stop()
+            measured.save()
 
 
 def _failure(rank: int, exc: BaseException) -> _Outcome:
@@ -363,12 +481,12 @@ def check_arguments(
     timeout_s: object,
     startup_timeout_s: object = STARTUP_TIMEOUT_S,
 ) -> None:
-    """Refuse bad arguments before anything is spawned, naming the argument.
+    """Refuse bad arguments before any rank starts, naming the argument.
 
     Raises:
         ValueError: ``world_size`` not an int >= 1, ``timeout_s`` not > 0, an
             unknown backend, or NCCL with fewer visible cards than ranks.
-        TypeError: ``fn`` cannot be pickled into a spawned process.
+        TypeError: ``fn`` cannot be pickled into a rank.
     """
     __tracebackhide__ = True  # pytest shows the caller, not these frames
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -391,8 +509,7 @@ def check_arguments(
         pickle.dumps(fn)
     except Exception as exc:
         raise TypeError(
-            f"fn must be picklable (a module-level function) to run in spawned processes; "
-            f"got {fn!r}: {exc}"
+            f"fn must be picklable (a module-level function) to run in the ranks; got {fn!r}: {exc}"
         ) from exc
 
 
@@ -539,7 +656,7 @@ def run_distributed(
     on_logs: Callable[[RankLogs], None] | None = None,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (the ranks).
 
     Each rank runs inside an initialised default process group (``backend``:
     ``"gloo"``, or ``"nccl"`` with ``cuda:rank``) whose store the caller holds;
@@ -572,15 +689,16 @@ def run_distributed(
             rank joined within ``startup_timeout_s`` seconds of the start
             (``not_joined`` names those); it carries the stack of every rank
             still running, and every rank is killed.
-        ValueError, TypeError: bad arguments, before anything is spawned.
+        ValueError, TypeError: bad arguments, before any rank starts.
     """
     __tracebackhide__ = True  # pytest shows the caller, not these frames
     check_arguments(fn, world_size, backend, timeout_s, startup_timeout_s)
     import torch.distributed as dist
-    import torch.multiprocessing as mp
+    import torch.multiprocessing  # noqa: F401 - torch's reductions: argument tensors go as shared memory
 
-    ctx = mp.get_context("spawn")
+    context, server_pid = _fork_server()
     measuring = start_measuring()
+    environ = {**os.environ, **(measuring.env if measuring else {})}
     with _log_directory(log_dir) as directory, _merged(measuring):
         logs = RankLogs(directory, world_size, backend)
         if on_logs is not None:
@@ -597,31 +715,31 @@ def run_distributed(
         run = _Run()
         finished = False
         try:
-            for rank in range(world_size):
-                reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=_rank_main,
-                    args=(
-                        rank,
-                        world_size,
-                        store.port,
-                        backend,
-                        timeout_s,
-                        startup_timeout_s,
-                        writer,
-                        logs,
-                        os.getpid(),
-                        fn,
-                        args,
-                    ),  # fmt: skip
-                    name=f"run_distributed-rank{rank}",
-                    daemon=True,
-                )
-                with measuring.environ() if measuring else contextlib.nullcontext():
+            with _bounded_start(server_pid, startup_timeout_s, world_size):
+                for rank in range(world_size):
+                    reader, writer = context.Pipe(duplex=False)
+                    proc = context.Process(
+                        target=_rank_main,
+                        args=(
+                            rank,
+                            world_size,
+                            store.port,
+                            backend,
+                            timeout_s,
+                            startup_timeout_s,
+                            writer,
+                            logs,
+                            server_pid,
+                            environ,
+                            _Call(fn, args),
+                        ),  # fmt: skip
+                        name=f"run_distributed-rank{rank}",
+                        daemon=True,
+                    )
+                    run.processes.append(proc)
                     proc.start()
-                writer.close()  # the child holds the only write end: EOF when it dies
-                run.processes.append(proc)
-                run.readers[reader] = rank
+                    writer.close()  # the rank holds the only write end: EOF when it dies
+                    run.readers[reader] = rank
             result = _collect(run, logs, timeout_s, startup_timeout_s)
             finished = True
             return result
@@ -646,6 +764,80 @@ def run_distributed(
                 _join_all(run.processes, _SAVE_EXIT_S)
             _kill_trees(run.processes, _TERM_GRACE_S if finished else 0)
             del store
+
+
+def _fork_server() -> tuple[BaseContext, int]:
+    """multiprocessing's fork server of this process, started now unless it runs; and its pid.
+
+    One per process: multiprocessing keeps it in a module global, and its
+    contexts (``get_context("forkserver")`` and any new one) all use that one.
+    It is started with :data:`_SERVER_PRELOAD` to import, and without
+    coverage's start-up variables: a measured server would pass a running
+    tracer, with the server's data file, to every rank it forks (a rank starts
+    its own, :func:`_measure_rank`). Returns at once: the server imports as the
+    first rank waits for it (:func:`_bounded_start`).
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([_SERVER_PRELOAD])
+    with _unset_environ(START_VARIABLE, CONFIG_VARIABLE):
+        forkserver.ensure_running()
+    return context, forkserver._forkserver._forkserver_pid  # no public API gives the pid
+
+
+@contextlib.contextmanager
+def _unset_environ(*names: str) -> Iterator[None]:
+    """Remove ``names`` from ``os.environ`` meanwhile; put back what was there."""
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _bounded_start(server_pid: int, bound_s: float, world_size: int) -> Iterator[None]:
+    """Bound the ranks' start by ``bound_s``, killing a fork server that has not forked them.
+
+    Starting a rank waits until the server has forked it, which a newly started
+    server does once it has imported torch. One that has not forked every rank
+    by the bound (an import that hangs) is killed, and the start fails with a
+    :class:`DistributedTimeoutError` naming every rank as not joined (any rank
+    it forked dies with it); the next run starts a new server.
+    """
+    __tracebackhide__ = True  # pytest shows the caller, not these frames
+    cut = threading.Event()
+
+    def kill_server() -> None:
+        cut.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(bound_s, kill_server)
+    watchdog.daemon = True
+    watchdog.start()
+    ranks = list(range(world_size))
+    try:
+        yield
+    except (OSError, EOFError) as exc:  # the server's pipes closed under a waiting start
+        if not cut.is_set():
+            raise
+        raise _not_started(bound_s, ranks, server_pid) from exc
+    finally:
+        watchdog.cancel()
+    if cut.is_set():
+        raise _not_started(bound_s, ranks, server_pid)
+
+
+def _not_started(bound_s: float, ranks: list[int], server_pid: int) -> DistributedTimeoutError:
+    err = DistributedTimeoutError(bound_s, ranks, {}, ranks)
+    err.add_note(
+        f"The fork server (pid {server_pid}) had not started every rank by then (still "
+        "importing torch?); it was killed, and the next run starts a new one."
+    )
+    return err
 
 
 def _collect(run: _Run, logs: RankLogs, timeout_s: float, startup_timeout_s: float) -> list[Any]:

@@ -34,7 +34,7 @@ Fixtures (scope in brackets), all prefixed ``e2e_``:
 - ``e2e_ray_job`` [module]: a ``ray start --head`` cluster with token auth
   and ``submit(entrypoint, runtime_env=...)`` for ``ray job submit``.
 - ``e2e_distributed`` [function]: ``e2e_distributed(fn, world_size, *args)``
-  runs ``fn(rank, world_size, *args)`` on spawned ranks in a gloo group
+  runs ``fn(rank, world_size, *args)`` on fresh ranks in a gloo group
   (:func:`rl_e2e.distributed.run_distributed`); each rank's output, and on a hang
   each rank's stack, go into the test's report.
 - ``e2e_distributed_gpu1`` / ``e2e_distributed_gpu2``: the same over NCCL.

@@ -1,4 +1,4 @@
-"""Tests of rl_e2e.distributed on real spawned processes and real gloo groups."""
+"""Tests of rl_e2e.distributed on real processes (forked by the fork server) and real gloo groups."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from rl_e2e.distributed import (
     run_distributed,
 )
 
-# --- functions run on the ranks (module level: spawn pickles them by name) ---
+# --- functions run on the ranks (module level: they are pickled by name) ---
 
 
 def _sum_of_ranks(rank: int, world_size: int, scale: float) -> dict:
@@ -68,6 +68,21 @@ def _after_sleeping(seconds: float, value: float) -> float:
     return value
 
 
+def _raise_import_error(name: str) -> None:
+    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+class _FailsToUnpickle:
+    """Unpickles by raising, as an argument whose module the ranks cannot import does."""
+
+    def __reduce__(self):
+        return (_raise_import_error, ("gone_from_the_ranks",))
+
+
+def _environ_seen(rank: int, world_size: int, name: str) -> tuple[str | None, str, int]:
+    return os.environ.get(name), str(dist.get_debug_level()), os.getppid()
+
+
 class _SlowToUnpickle:
     """Unpickles to ``value`` after ``seconds``: a slow start-up, in the rank before it joins."""
 
@@ -79,12 +94,16 @@ class _SlowToUnpickle:
 
 
 def _children_of_this_process() -> list[psutil.Process]:
-    """Live descendants, except multiprocessing's resource tracker (one per
-    parent process, started by the first spawn and kept by design)."""
+    """Live descendants, except multiprocessing's resource tracker and fork server (one of
+    each per parent process, started by the first run and kept by design). The ranks the
+    server forked are listed: they show the server's command line, but not this parent."""
+    me = psutil.Process()
     out = []
-    for proc in psutil.Process().children(recursive=True):
+    for proc in me.children(recursive=True):
         try:
-            if "multiprocessing.resource_tracker" not in " ".join(proc.cmdline()):
+            command = " ".join(proc.cmdline())
+            server = "multiprocessing.forkserver" in command and proc.ppid() == me.pid
+            if "multiprocessing.resource_tracker" not in command and not server:
                 out.append(proc)
         except psutil.NoSuchProcess:
             pass
@@ -148,13 +167,41 @@ def test_the_timeout_counts_from_the_moment_every_rank_joined() -> None:
 
 
 def test_a_start_up_past_its_bound_names_the_ranks_that_never_joined() -> None:
+    """With each rank's stack where its start-up hangs: here, unpickling an argument."""
+    run_distributed(_sleep_briefly, 2, 0.0, timeout_s=hang_guard(60))  # the fork server is up
+    bound = hang_guard(1)
     with pytest.raises(DistributedTimeoutError) as info:
-        run_distributed(_sleep_briefly, 2, _SlowToUnpickle(3600, 0.5), startup_timeout_s=2)
+        run_distributed(_sleep_briefly, 2, _SlowToUnpickle(3600, 0.5), startup_timeout_s=bound)
     err = info.value
     assert err.not_joined == [0, 1] and err.pending == [0, 1]
-    assert "ranks [0, 1] did not join the process group within 2 s of the start" in str(err)
-    assert "(no stack: the rank had not started running fn yet)" in str(err)
+    assert f"ranks [0, 1] did not join the process group within {bound:g} s of the start" in str(
+        err
+    )
+    assert all("_after_sleeping" in err.stacks[rank] for rank in (0, 1)), err.stacks
     assert _children_of_this_process() == []
+
+
+def test_an_argument_that_fails_to_unpickle_is_the_ranks_error_with_its_traceback() -> None:
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_sleep_briefly, 2, _FailsToUnpickle(), timeout_s=hang_guard(60))
+    err = info.value
+    assert f"rank {err.rank} raised ModuleNotFoundError: No module named 'gone_from_the_ranks'" in (
+        str(err)
+    )
+    assert "_raise_import_error" in err.remote_traceback
+    assert _children_of_this_process() == []
+
+
+def test_ranks_run_in_the_callers_environment_of_the_moment(monkeypatch) -> None:
+    """Not the fork server's, which dates from its start; one server forks every rank."""
+    first = run_distributed(_environ_seen, 2, "RL_E2E_PROBE", timeout_s=hang_guard(60))
+    monkeypatch.setenv("RL_E2E_PROBE", "set after the server started")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")  # which torch reads as it is imported
+    second = run_distributed(_environ_seen, 2, "RL_E2E_PROBE", timeout_s=hang_guard(60))
+    assert [value for value, _, _ in second] == ["set after the server started"] * 2
+    assert [level for _, level, _ in second] == ["DebugLevel.INFO"] * 2
+    parents = {parent for _, _, parent in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents
 
 
 @pytest.mark.parametrize(
@@ -306,7 +353,7 @@ _KILLED = """
 """
 
 
-def test_a_caller_killed_with_sigkill_leaves_no_rank(tmp_path: Path) -> None:
+def test_a_caller_killed_with_sigkill_leaves_no_rank_and_no_fork_server(tmp_path: Path) -> None:
     script = tmp_path / "killed.py"
     logs = tmp_path / "logs"
     script.write_text(
@@ -318,13 +365,72 @@ def test_a_caller_killed_with_sigkill_leaves_no_rank(tmp_path: Path) -> None:
         while not (logs / "rank1.out").exists() or not (logs / "rank1.out").read_text():
             assert time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.2)
-        ranks = psutil.Process(caller.pid).children(recursive=True)
-        assert len(ranks) >= 2
+        tree = psutil.Process(caller.pid).children(recursive=True)
+        # The server and the two ranks it forked, which show its command line.
+        assert sum("multiprocessing.forkserver" in " ".join(_cmdline(p)) for p in tree) == 3
     finally:
         caller.send_signal(signal.SIGKILL)
         caller.wait()
-    _, alive = psutil.wait_procs(ranks, timeout=hang_guard(5))
+    _, alive = psutil.wait_procs(tree, timeout=hang_guard(5))
     assert [p.pid for p in alive if "resource_tracker" not in " ".join(_cmdline(p))] == []
+
+
+_FORKED = """
+    import os, sys
+    sys.path[:0] = [{tests!r}, {tests!r} + '/..']
+    from rl_e2e.distributed import run_distributed
+    from test_distributed import _environ_seen
+    if __name__ == "__main__":
+        servers = set(seen[2] for seen in run_distributed(_environ_seen, 2, "HOME", timeout_s=600))
+        child = os.fork()
+        if child == 0:
+            try:
+                seen = run_distributed(_environ_seen, 2, "HOME", timeout_s=600)
+                print("NEW SERVERS", len(set(s[2] for s in seen) - servers), flush=True)
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+"""
+
+
+def test_a_process_forked_from_a_caller_runs_on_a_fork_server_of_its_own(tmp_path: Path) -> None:
+    """The caller's server is not the forked child's child: the child starts its own."""
+    script = tmp_path / "forked.py"
+    script.write_text(textwrap.dedent(_FORKED).format(tests=str(Path(__file__).parent)))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=hang_guard(60)
+    )
+    assert "NEW SERVERS 1" in done.stdout, done.stderr[-3000:]
+    assert _processes_running(script) == []
+
+
+_SERVER_HANGS = """
+    import sys
+    sys.path[:0] = [{tests!r}, {tests!r} + '/..']
+    from rl_e2e import distributed
+    from test_distributed import _sleep_briefly
+    if __name__ == "__main__":
+        distributed._SERVER_PRELOAD = "hangs_as_imported"  # a fork server stuck in its imports
+        try:
+            distributed.run_distributed(_sleep_briefly, 2, 0.0, startup_timeout_s=3)
+        except distributed.DistributedTimeoutError as err:
+            print("NOT JOINED", err.not_joined, flush=True)
+"""
+
+
+def test_a_fork_server_stuck_in_its_imports_is_cut_by_the_start_up_bound(tmp_path: Path) -> None:
+    script = tmp_path / "server_hangs.py"
+    script.write_text(textwrap.dedent(_SERVER_HANGS).format(tests=str(Path(__file__).parent)))
+    (tmp_path / "hangs_as_imported.py").write_text("import time\n\ntime.sleep(3600)\n")
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,  # where the server, started in the caller's directory, finds the module
+        capture_output=True,
+        text=True,
+        timeout=hang_guard(60),
+    )
+    assert "NOT JOINED [0, 1]" in done.stdout, done.stderr[-3000:]
+    assert _processes_running(script) == []
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
