@@ -16,11 +16,11 @@ NETWORK_FILESYSTEMS = frozenset(
 
 
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
+"""Ray's setting for the niceness of its worker processes (Ray's default: 15)."""
 # Ray's longest socket path is RAY_TMPDIR/session_<date>_<time>_<us>_<pid>/sockets/plasma_store
 # (64 bytes past RAY_TMPDIR with a 7-digit pid), and an AF_UNIX path has at most 107.
 RAY_TMPDIR_MAX = 107 - 64
 TMP_LEVEL = len("/gs") + 8  # one level of ``mkdtemp(prefix="gs")`` under the root
-"""Ray's setting for the niceness of its worker processes (Ray's default: 15)."""
 
 
 def child_env(
