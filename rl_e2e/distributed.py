@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rl_e2e.coverage import CONFIG_VARIABLE, START_VARIABLE, WorkerCoverage, start_measuring
+from rl_e2e.source import patched_environ
 
 __all__ = [
     "DistributedRankError",
@@ -782,19 +783,9 @@ def _fork_server() -> tuple[BaseContext, int]:
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([_SERVER_PRELOAD])
-    with _unset_environ(START_VARIABLE, CONFIG_VARIABLE):
+    with patched_environ({START_VARIABLE: None, CONFIG_VARIABLE: None}):
         forkserver.ensure_running()
     return context, forkserver._forkserver._forkserver_pid  # no public API gives the pid
-
-
-@contextlib.contextmanager
-def _unset_environ(*names: str) -> Iterator[None]:
-    """Remove ``names`` from ``os.environ`` meanwhile; put back what was there."""
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 @contextlib.contextmanager

@@ -49,10 +49,14 @@ def load_builder(spec: str, option: str = "rl_e2e_runtime_env") -> Callable[[], 
 
 
 @contextmanager
-def patched_environ(extra: Mapping[str, str]) -> Iterator[None]:
-    """Set ``extra`` in ``os.environ`` for the duration; restore exactly what was there."""
+def patched_environ(extra: Mapping[str, str | None]) -> Iterator[None]:
+    """Set ``extra`` in ``os.environ`` for the duration (None: unset); restore exactly what was there."""
     saved = {name: os.environ.get(name) for name in extra}
-    os.environ.update(extra)
+    for name, value in extra.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         yield
     finally:
