@@ -22,12 +22,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_e2e.coverage import WorkerCoverage, start_measuring
+from rl_e2e.ports import quiet_ports
 from rl_e2e.ray_local import short_temp_root
 
 __all__ = ["JobCluster", "JobClusterError", "head_cluster"]
@@ -160,33 +159,6 @@ def job_status(text: str) -> str | None:
         ]
     running = re.search(r"Status for job '[^']*': (\w+)", text)
     return running.group(1) if running else None
-
-
-def quiet_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports that nothing else on the machine is handed meanwhile.
-
-    ``ray start`` binds some of its ports 10-20 s after it is given them (its
-    agents start after the dashboard), so a port probed with ``bind(0)`` and
-    released can be taken by another process in between: every ``bind(0)`` and
-    ``connect()`` on the machine draws from ``ip_local_port_range``, and Ray then
-    fails with "Address already in use" and ``ray start --block`` exits. These
-    ports come from outside that range, and above Ray's worker ports (10002-19999).
-    """
-    low, high = 32768, 60999
-    with contextlib.suppress(OSError, ValueError):
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    candidates = [port for port in range(20000, 65536) if not low <= port <= high]
-    found: list[int] = []
-    for port in random.sample(candidates, len(candidates)):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == n:
-            return found
-    raise JobClusterError(f"fewer than {n} free ports outside {low}-{high}")
 
 
 def cluster_env(token: str, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gpusched.execution.proctree import TAG_VARIABLE
+from rl_e2e.ports import quiet_ports
 
 NETWORK_FILESYSTEMS = frozenset(
     {"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse", "fuseblk", "lustre", "gpfs", "9p", "ceph"}
@@ -112,16 +112,19 @@ def read_mounts() -> list[str]:
 
 
 class PortPool:
-    """Free TCP ports, never the same one twice in a run (each job's ``MASTER_PORT``)."""
+    """Free TCP ports, never the same one twice in a run (each job's ``MASTER_PORT``).
+
+    Drawn outside the kernel's ephemeral range (:func:`rl_e2e.ports.quiet_ports`):
+    rank 0 binds the port only when its test gets there, and meanwhile other
+    files' processes are handed ephemeral ports all the time.
+    """
 
     def __init__(self) -> None:
         self._given: set[int] = set()
 
     def take(self) -> int:
         for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
+            (port,) = quiet_ports(1)
             if port not in self._given:
                 self._given.add(port)
                 return port

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import pytest
 from deadlines import hang_guard
 
 from gpusched.execution.proctree import processes_where
+from rl_e2e.ports import quiet_ports
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # A removed node is noticed in about a second and a half, not the default fifteen.
@@ -244,16 +244,19 @@ _HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    """A port nothing listens on now, never handed out before by this process.
+    """A port nothing listens on now, outside the kernel's ephemeral range, never
+    handed out before by this process.
 
-    The probe's socket is closed at once, so the kernel may offer the same port to
-    the next probe: two servers of one ``ray start`` given the same port make Ray
-    refuse to start ("is trying to use a port number ... used by other components").
+    ``bind(0)`` and every ``connect()`` on the machine draw from
+    ``ip_local_port_range``: a port probed there and released was taken by
+    another test file's Ray cluster before this ``ray start`` bound it (its GCS
+    then failed with "Address already in use", and the CLI, reaching the other
+    cluster's GCS, with "InvalidAuthToken"). The probe's socket is closed at
+    once, so the same port could come back to the next probe: two servers of one
+    ``ray start`` given the same port make Ray refuse to start.
     """
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        (port,) = quiet_ports(1)
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
