@@ -23,8 +23,8 @@ RAY_WORKER_PORTS_END = 19999  # Ray's default --max-worker-port: its workers tak
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
-def quiet_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free now, outside the kernel's ephemeral range and above
+def quiet_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free now on ``host`` ("" for every interface), outside the kernel's ephemeral range and above
     Ray's worker ports, in random order so that processes choosing at once rarely meet.
 
     Raises:
@@ -40,7 +40,7 @@ def quiet_ports(n: int) -> list[int]:
     for port in random.sample(candidates, len(candidates)):
         with socket.socket() as sock:
             try:
-                sock.bind(("127.0.0.1", port))
+                sock.bind((host, port))
             except OSError:
                 continue
         found.append(port)

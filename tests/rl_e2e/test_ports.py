@@ -10,6 +10,7 @@ import pytest
 from gpusched.execution.childenv import PortPool
 from rl_e2e import ports
 from rl_e2e.ports import RAY_WORKER_PORTS_END, quiet_ports
+from trainer.controller.rendezvous import free_port
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -54,3 +55,10 @@ def test_each_jobs_master_port_is_new_and_quiet():
     given = [pool.take() for _ in range(50)]
     assert len(set(given)) == 50
     assert all(_quiet(port) for port in given), given
+
+
+def test_a_trainer_groups_rank0_port_is_quiet_on_every_interface():
+    port = free_port("")
+    assert _quiet(port), port
+    with socket.socket() as sock:
+        sock.bind(("", port))  # still free where rank 0 binds it

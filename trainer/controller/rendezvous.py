@@ -8,7 +8,7 @@ them as ``rl_e2e.distributed`` does for local ranks.
 
 from __future__ import annotations
 
-import socket
+from rl_e2e.ports import quiet_ports
 
 __all__ = ["default_backend", "free_port"]
 
@@ -16,12 +16,12 @@ __all__ = ["default_backend", "free_port"]
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port on ``host`` that was free a moment ago.
 
-    The OS picks it (bind to port 0), so it never collides with a listening
-    socket; another process may still take it before the caller binds it.
+    Outside the kernel's ephemeral range (:func:`rl_e2e.ports.quiet_ports`): the
+    other actors of the group start before rank 0 binds it, and meanwhile every
+    ``connect()`` on the node is handed an ephemeral port.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    (port,) = quiet_ports(1, host)
+    return port
 
 
 def default_backend() -> str:
