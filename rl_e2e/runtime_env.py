@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_e2e.knobs import redact
+from rl_e2e.knobs import env_bool, redact
+from rl_e2e.warm_workers import SWITCH_VARIABLE, warm_runtime_env
 
 __all__ = [
     "JOB_CONFIG_VAR",
@@ -232,7 +233,9 @@ class RuntimeEnvLayers:
     ``exclude`` is fixed (names or globs); ``exclude_var`` names a host variable
     whose comma-separated value excludes more at run time (the trainer's
     ``TRAINER_EXCLUDE``). ``setup_hook`` is the dotted path Ray imports in every
-    worker as its ``worker_process_setup_hook``.
+    worker as its ``worker_process_setup_hook``. ``warm_preload``: the modules a
+    node's warm process imports for its workers (:mod:`rl_e2e.warm_workers`);
+    none, or ``RL_E2E_WARM_WORKERS=0``, starts every worker cold.
     """
 
     defaults: Mapping[str, str] = field(default_factory=lambda: dict(RL_DEFAULT_ENV_VARS))
@@ -240,6 +243,7 @@ class RuntimeEnvLayers:
     exclude: tuple[str, ...] = ()
     exclude_var: str | None = None
     setup_hook: str | None = None
+    warm_preload: tuple[str, ...] = ()
 
     def compose(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Return the runtime env for ``ray.init`` from ``environ`` (default ``os.environ``, read now).
@@ -260,6 +264,8 @@ class RuntimeEnvLayers:
             logger.warning("ignoring the job's runtime env: %s", err)
             job = None
         runtime_env = compose_runtime_env(self.defaults, forwarded, job, self.setup_hook)
+        if env_bool(SWITCH_VARIABLE, True, environ=source):
+            runtime_env = warm_runtime_env(runtime_env, self.warm_preload, job)
         if job is not None:
             logger.info(
                 "ray job runtime env sets %s; left to the job",

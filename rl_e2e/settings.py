@@ -70,6 +70,13 @@ OPTIONS: tuple[IniOption, ...] = (
         "Dotted path of the worker_process_setup_hook every Ray worker runs.",
     ),
     IniOption(
+        "rl_e2e_env_warm_preload",
+        "args",
+        [],
+        "Modules (third-party: torch transformers) each node's warm process imports once; "
+        "Ray workers are forked from it instead of importing them again.",
+    ),
+    IniOption(
         "rl_e2e_ray_scope",
         "string",
         "module",
@@ -108,6 +115,7 @@ class Settings:
     env_exclude: tuple[str, ...] = ()
     env_exclude_var: str = ""
     env_setup_hook: str = ""
+    env_warm_preload: tuple[str, ...] = ()
     ray_scope: str = "module"
     ray_num_cpus: int = 2
     rank_timeout: float = 600.0
@@ -180,6 +188,7 @@ def read_settings(get: Callable[[str], Any]) -> Settings:
         env_exclude=tuple(get("rl_e2e_env_exclude") or ()),
         env_exclude_var=str(get("rl_e2e_env_exclude_var") or "").strip(),
         env_setup_hook=str(get("rl_e2e_env_setup_hook") or "").strip(),
+        env_warm_preload=tuple(get("rl_e2e_env_warm_preload") or ()),
         ray_scope=str(get("rl_e2e_ray_scope") or "module").strip(),
         ray_num_cpus=_positive_int("rl_e2e_ray_num_cpus", get("rl_e2e_ray_num_cpus") or "2"),
         rank_timeout=_positive_float("rl_e2e_rank_timeout", get("rl_e2e_rank_timeout") or "600"),
@@ -198,6 +207,11 @@ def read_settings(get: Callable[[str], Any]) -> Settings:
         raise SettingsError(
             f"rl_e2e_env_setup_hook = {hook!r}: must be a dotted path package.module.function"
         )
+    for module in settings.env_warm_preload:
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise SettingsError(
+                f"rl_e2e_env_warm_preload: {module!r} is not a module name (package.module)"
+            )
     composer = [
         name
         for name, value in (
@@ -206,6 +220,7 @@ def read_settings(get: Callable[[str], Any]) -> Settings:
             ("rl_e2e_env_exclude", settings.env_exclude),
             ("rl_e2e_env_exclude_var", settings.env_exclude_var),
             ("rl_e2e_env_setup_hook", settings.env_setup_hook),
+            ("rl_e2e_env_warm_preload", settings.env_warm_preload),
         )
         if value
     ]

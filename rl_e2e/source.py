@@ -114,6 +114,7 @@ def source_from_settings(settings: Settings) -> RuntimeEnvSource:
         exclude=settings.env_exclude,
         exclude_var=settings.env_exclude_var or None,
         setup_hook=settings.env_setup_hook or None,
+        warm_preload=settings.env_warm_preload,
     )
     configured = settings.env_defaults is not None or settings.env_forward or settings.env_exclude
     name = "the layered runtime env of the rl_e2e_env_* options"

@@ -140,6 +140,11 @@ def not_strings():
         ({"rl_e2e_rank_timeout": "-1"}, "rl_e2e_rank_timeout = '-1': must be a number"),
         ({"rl_e2e_env_defaults": "NOEQUALS"}, "'NOEQUALS' is not a NAME=VALUE line"),
         ({"rl_e2e_env_setup_hook": "nodots"}, "must be a dotted path"),
+        ({"rl_e2e_env_warm_preload": "torch no-such"}, "'no-such' is not a module name"),
+        (
+            {"rl_e2e_runtime_env": "builders:a_list", "rl_e2e_env_warm_preload": "torch"},
+            "set one or the other",
+        ),
     ],
     ids=lambda value: str(value)[:30] if isinstance(value, str) else None,
 )

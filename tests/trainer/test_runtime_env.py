@@ -23,11 +23,14 @@ from rl_e2e.runtime_env import (
     parse_job_runtime_env,
     run_extra_hook,
 )
+from rl_e2e.warm_workers import SWITCH_VARIABLE, py_executable
+from rl_e2e.worker_shim import PRELOAD_VARIABLE
 from trainer.launch import runtime_env as rt
 from trainer.launch.runtime_env import (
     DEFAULT_ENV_VARS,
     EXTRA_HOOK_VAR,
     FORWARD_PREFIXES,
+    WARM_PRELOAD,
     WORKER_SETUP_HOOK,
     get_runtime_env,
     worker_setup,
@@ -49,14 +52,29 @@ def test_defaults_named_by_the_issue():
     assert DEFAULT_ENV_VARS["NCCL_CUMEM_ENABLE"] == "0"
 
 
-def test_empty_host_gives_defaults_hook_and_no_working_dir():
+def test_empty_host_gives_defaults_hook_warm_start_and_no_working_dir():
     env = get_runtime_env({})
+    assert env == {
+        "env_vars": {**DEFAULT_ENV_VARS, PRELOAD_VARIABLE: ",".join(WARM_PRELOAD)},
+        "working_dir": None,
+        "worker_process_setup_hook": WORKER_SETUP_HOOK,
+        "py_executable": py_executable(),
+    }
+
+
+def test_warm_start_off_gives_only_defaults_hook_and_no_working_dir():
+    env = get_runtime_env({SWITCH_VARIABLE: "0"})
     assert env == {
         "env_vars": DEFAULT_ENV_VARS,
         "working_dir": None,
         "worker_process_setup_hook": WORKER_SETUP_HOOK,
     }
     assert env["env_vars"] is not DEFAULT_ENV_VARS  # a copy: callers may edit it
+
+
+def test_a_job_that_picks_the_workers_interpreter_keeps_it():
+    env = get_runtime_env({JOB_CONFIG_VAR: _job({"pip": ["six"]})})
+    assert "py_executable" not in env and PRELOAD_VARIABLE not in env["env_vars"]
 
 
 def test_hook_dotted_path_resolves_to_worker_setup():

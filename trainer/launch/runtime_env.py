@@ -9,6 +9,8 @@ here are only the trainer's choices:
 - the usual RL defaults (``RL_DEFAULT_ENV_VARS``) and forwarded prefixes, plus
   ``TRAINER_``;
 - ``TRAINER_EXCLUDE``: names and globs never forwarded;
+- ``WARM_PRELOAD``: workers are forked from a per-node process that imported
+  torch, tensordict and transformers once (``RL_E2E_WARM_WORKERS=0``: off);
 - ``worker_setup`` as Ray's ``worker_process_setup_hook`` (a dotted path: Ray
   imports it by name in each worker). It configures the trainer's logging and
   then runs the user's ``TRAINER_EXTRA_WORKER_SETUP_HOOK="/abs/file.py:function"``.
@@ -36,6 +38,7 @@ __all__ = [
     "EXTRA_HOOK_VAR",
     "FORWARD_PREFIXES",
     "LAYERS",
+    "WARM_PRELOAD",
     "WORKER_SETUP_HOOK",
     "get_runtime_env",
     "worker_setup",
@@ -50,11 +53,16 @@ EXTRA_HOOK_VAR = "TRAINER_EXTRA_WORKER_SETUP_HOOK"
 LOG_LEVEL_VAR = "TRAINER_LOG_LEVEL"
 WORKER_SETUP_HOOK = "trainer.launch.runtime_env.worker_setup"
 
+# What every trainer worker imports before its first line of work; a node's warm
+# process imports them once and forks the workers (rl_e2e.warm_workers).
+WARM_PRELOAD = ("torch", "tensordict", "transformers")
+
 LAYERS = RuntimeEnvLayers(
     defaults=DEFAULT_ENV_VARS,
     forward_prefixes=FORWARD_PREFIXES,
     exclude_var=EXCLUDE_VAR,
     setup_hook=WORKER_SETUP_HOOK,
+    warm_preload=WARM_PRELOAD,
 )
 
 
