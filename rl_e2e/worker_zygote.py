@@ -49,6 +49,7 @@ def main(name: str) -> None:
     except OSError:  # another shim started the warm process of this key first
         return
     listener.listen(128)  # shims that come meanwhile are served after the imports
+    before = dict(os.environ)
     try:
         for module in filter(None, os.environ.get(PRELOAD_VARIABLE, "").split(",")):
             importlib.import_module(module)
@@ -57,6 +58,9 @@ def main(name: str) -> None:
         broken = True
     else:
         broken = False
+    # What the imports set in the environment (torch's TORCHINDUCTOR_CACHE_DIR): a
+    # worker that had imported them itself would have it on top of its own.
+    imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
     raylet = _raylet_pidfd()
     shims: dict[int, socket.socket] = {}
     while True:
@@ -67,7 +71,7 @@ def main(name: str) -> None:
         if listener in ready and broken:
             _refuse(listener)
         elif listener in ready:
-            _serve(listener, shims)
+            _serve(listener, shims, imported)
 
 
 def _raylet_pidfd() -> int:
@@ -78,7 +82,9 @@ def _raylet_pidfd() -> int:
         os._exit(0)
 
 
-def _serve(listener: socket.socket, shims: dict[int, socket.socket]) -> None:
+def _serve(
+    listener: socket.socket, shims: dict[int, socket.socket], imported: dict[str, str]
+) -> None:
     conn = _accept(listener)
     if conn is None:
         return
@@ -89,7 +95,7 @@ def _serve(listener: socket.socket, shims: dict[int, socket.socket]) -> None:
         return
     pid = os.fork()
     if pid == 0:
-        _become_worker(listener, conn, request, fds)  # never returns
+        _become_worker(listener, conn, {**request["env"], **imported}, request, fds)
     for fd in fds:
         os.close(fd)
     try:
@@ -165,7 +171,11 @@ def _reap(shims: dict[int, socket.socket]) -> None:
 
 
 def _become_worker(
-    listener: socket.socket, conn: socket.socket, request: dict, fds: list[int]
+    listener: socket.socket,
+    conn: socket.socket,
+    environ: dict[str, str],
+    request: dict,
+    fds: list[int],
 ) -> None:
     """In the child: become the worker the shim would have exec'd, then exit as it would."""
     # A process group of its own, as Ray gives a worker it starts: the raylet kills a
@@ -178,7 +188,7 @@ def _become_worker(
         os.dup2(fd, target)
         os.close(fd)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(environ)
     os.chdir(request["cwd"])
     threading.Thread(target=_die_with_shim, args=(conn,), daemon=True).start()
     argv = request["argv"]

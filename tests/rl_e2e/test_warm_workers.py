@@ -30,7 +30,7 @@ import numpy
 print(json.dumps({
     "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "marker": "warmmarker" in sys.modules,
     "random": random.random(), "numpy": numpy.random.random(), "argv": sys.argv, "cwd": os.getcwd(),
-    "job": os.environ.get("RAY_JOB_ID"),
+    "job": os.environ.get("RAY_JOB_ID"), "set": os.environ.get("WARMMARKER_SET"),
 }))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
@@ -53,6 +53,7 @@ def node(tmp_path: Path):
     imports = tmp_path / "imports.log"
     (lib / "warmmarker.py").write_text(
         f"import os\nopen({str(imports)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "os.environ['WARMMARKER_SET'] = 'at import'\n"  # as torch sets TORCHINDUCTOR_CACHE_DIR
     )
     raylet = subprocess.Popen(["sleep", "600"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
@@ -126,6 +127,7 @@ def test_workers_are_forked_from_one_warm_process_that_imported_once(node):
     assert {s["ppid"] for s in seen} == {zygote.pid}
     assert imports.read_text().split() == [str(zygote.pid)]  # imported once, by it
     assert all(s["marker"] for s in seen)  # and every worker finds it imported
+    assert all(s["set"] == "at import" for s in seen)  # with what its import set
     assert len({s["random"] for s in seen}) == 3  # each seeded anew, not the fork's copy
     assert len({s["numpy"] for s in seen}) == 3
     assert all(s["pgid"] == s["pid"] for s in seen)  # a group of its own, as Ray gives workers
