@@ -63,6 +63,10 @@ def kind_of(cmdline: str) -> str:
             return kind
     if "rl_e2e.reaper" in cmdline:
         return "rl_e2e reaper"
+    if "worker_zygote.py" in cmdline:  # a forked worker keeps it until Ray names the process
+        return "warm processes (rl_e2e, workers forked from them)"
+    if "worker_shim.py" in cmdline:
+        return "ray worker: shim"
     if "default_worker.py" in cmdline:
         return "ray worker: starting"
     if "multiprocessing.spawn" in cmdline or "multiprocessing.forkserver" in cmdline:
