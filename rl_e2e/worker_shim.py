@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -35,7 +36,15 @@ PER_WORKER_PREFIXES = ("RAY_JOB_ID", "COVERAGE_")
 START_WAIT_S = 120.0  # the warm process's imports, on a loaded machine
 STATUS = struct.Struct("!i")
 RAYLET_VARIABLE = "RAY_RAYLET_PID"  # Ray sets it for every worker; the warm process leaves with it
-COLD = -1  # the warm process's answer instead of a pid: start this worker cold
+COLD = -1
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)  # the warm process's answer instead of a pid: start this worker cold
 
 
 def zygote_key(environ: dict[str, str], executable: str) -> str:
@@ -106,6 +115,24 @@ def _wait_for_zygote(address: str) -> tuple[socket.socket | None, subprocess.Pop
     return None, None
 
 
+def _forward_signals(worker: int) -> None:
+    """Pass the signals a process may handle on to the worker, as if sent to it.
+
+    Ray stops a worker with SIGTERM, which the worker handles (coverage saves
+    what it measured, Ray exits cleanly); sent to this stand-in, it must reach
+    the worker, not end the stand-in (whose end kills the worker outright).
+    """
+
+    def forward(received: int, _frame: object) -> None:
+        try:
+            os.kill(worker, received)
+        except ProcessLookupError:  # it has ended: its status is on its way
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+
+
 def _worker_status(sock: socket.socket) -> int:
     """Block until the warm process reports the worker's exit status (1 if it cannot)."""
     status = b""
@@ -142,6 +169,7 @@ def main(argv: list[str]) -> None:
     if STATUS.unpack(forked)[0] == COLD:
         sock.close()
         _cold_start(argv)  # the warm process stays, and answers the next shims at once
+    _forward_signals(STATUS.unpack(forked)[0])
     code = _worker_status(sock)
     if zygote is not None:
         # The warm process stays this shim's child, in Ray's process tree, until it

@@ -37,7 +37,8 @@ sys.exit(int(sys.argv[1]))
 """
 
 SLEEP = """\
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))  # as Ray's worker ends cleanly on SIGTERM
 open(sys.argv[1], "w").write(str(os.getpid()))
 time.sleep(600)
 """
@@ -144,10 +145,10 @@ def test_exit_status_and_output_reach_the_shims_parent(node):
     assert run.stderr == "to stderr\n"
 
 
-def test_killing_the_shim_kills_its_worker(node, tmp_path):
-    cwd, env, _, _ = node
+def _sleeping_worker(cwd: Path, env: dict[str, str]) -> tuple[subprocess.Popen, psutil.Process]:
+    """A shim whose warm worker sleeps (SIGTERM ends it with status 7), and that worker."""
     _starter(cwd, env, cwd / "first.err")
-    pid_file = tmp_path / "worker.pid"
+    pid_file = cwd / "worker.pid"
     shim = subprocess.Popen(
         [sys.executable, "-S", str(SHIM), "sleep.py", str(pid_file)], cwd=cwd, env=env
     )
@@ -157,9 +158,23 @@ def test_killing_the_shim_kills_its_worker(node, tmp_path):
         time.sleep(0.05)
     worker = psutil.Process(int(pid_file.read_text()))
     assert worker.ppid() != shim.pid  # forked by the warm process
+    return shim, worker
+
+
+def test_killing_the_shim_kills_its_worker(node):
+    cwd, env, _, _ = node
+    shim, worker = _sleeping_worker(cwd, env)
     shim.send_signal(signal.SIGKILL)
     shim.wait()
     _gone([worker])
+
+
+def test_a_sigterm_to_the_shim_reaches_its_worker(node):
+    """Ray stops a worker with SIGTERM, which the worker handles: the shim passes it on."""
+    cwd, env, _, _ = node
+    shim, _ = _sleeping_worker(cwd, env)
+    shim.send_signal(signal.SIGTERM)
+    assert shim.wait(timeout=60) == 7  # the worker's own exit, after its handler ran
 
 
 def test_the_warm_process_and_its_starter_leave_with_the_raylet(node):
