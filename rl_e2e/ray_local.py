@@ -17,6 +17,7 @@ Ray is imported when these run, never at import of this module.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -121,14 +122,15 @@ def local_cluster(
             os.environ.pop(reaper.variable, None)  # the test's own children are not Ray's
             if default_niceness:
                 os.environ.pop(_WORKER_NICENESS, None)
-        yield RayCluster(
-            address=context.address_info["gcs_address"],
-            temp_dir=temp_dir,
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            runtime_env=runtime_env,
-            coverage=measuring,
-        )
+        with _saving_before_kill(measuring):
+            yield RayCluster(
+                address=context.address_info["gcs_address"],
+                temp_dir=temp_dir,
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                runtime_env=runtime_env,
+                coverage=measuring,
+            )
     finally:
         try:
             if measuring is not None and ray.is_initialized():
@@ -141,6 +143,34 @@ def local_cluster(
                 os.environ["RAY_ADDRESS"] = saved_address
             if measuring is not None:
                 measuring.merge()
+
+
+@contextmanager
+def _saving_before_kill(measuring: WorkerCoverage | None) -> Iterator[None]:
+    """While the cluster is measured, ``ray.kill`` has the measured workers save first.
+
+    Ray kills an actor's process without letting it exit, so what it measured
+    since its last save would be lost: a trainer shutting its worker groups down
+    with ``ray.kill`` in the middle of a test lost them, unless another test's
+    leftovers happened to make everyone save before.
+    """
+    if measuring is None:
+        yield
+        return
+    import ray
+
+    original = ray.kill
+
+    @functools.wraps(original)
+    def kill(*args: Any, **kwargs: Any) -> None:
+        measuring.save()
+        original(*args, **kwargs)
+
+    ray.kill = kill
+    try:
+        yield
+    finally:
+        ray.kill = original
 
 
 @dataclass(frozen=True)

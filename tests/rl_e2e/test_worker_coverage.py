@@ -52,6 +52,9 @@ class Counter:
         self.value += 1
         return self.value
 
+    def triple(self, x):
+        return in_killed_actor(x)
+
 
 def in_rank(rank, world_size):
     import torch.distributed as dist
@@ -62,6 +65,10 @@ def in_rank(rank, world_size):
 
 def in_job(x):
     return x - 1  # job
+
+
+def in_killed_actor(x):
+    return x * 3  # killed
 
 
 def never_called():
@@ -111,6 +118,9 @@ def test_task_and_actor_left_alive(e2e_ray):
     assert ray.get(ray.remote(work.in_task).remote(1)) == 2
     counter = ray.remote(work.Counter).remote(5)
     assert ray.get(counter.bump.remote()) == 6
+    doomed = ray.remote(work.Counter).remote(0)
+    assert ray.get(doomed.triple.remote(2)) == 6
+    ray.kill(doomed)  # as a trainer shuts its worker groups down
     record(
         "task_and_actor",
         test=probe.seen(),
@@ -334,3 +344,21 @@ def test_a_data_file_that_cannot_be_read_is_left_out_with_a_warning(tmp_path):
     data.read()
     assert data.lines(str(tmp_path / "mod.py")) == [1, 2]
     assert not directory.exists()
+
+
+def test_warm_workers_are_covered_as_cold_ones(project, tmp_path):
+    """Ray workers forked from a warm process (rl_e2e_env_warm_preload) measure what they run."""
+    _clean(project)
+    ini = project / "pytest.ini"
+    plain = ini.read_text()
+    ini.write_text(plain + "rl_e2e_env_warm_preload = json\n")
+    try:
+        data = tmp_path / ".coverage"
+        seen_dir = tmp_path / "seen"
+        command = [sys.executable, "-m", "pytest", "--cov=pkg", "-q", "test_work.py"]
+        _run(project, *command, seen=seen_dir, data=data)
+    finally:
+        ini.write_text(plain)
+    assert _missing(project, data) == _lines("not run") | _lines("job")
+    runtime_env = _seen(seen_dir)["cluster_runtime_env"]
+    assert "worker_shim.py" in runtime_env["py_executable"]  # the workers were started warm
