@@ -8,8 +8,9 @@ library and asks the node's warm process (:mod:`rl_e2e.worker_zygote`), which
 has the heavy modules imported, to fork the worker with this environment,
 directory, arguments and fds; the worker it forks reports its own pid to
 Ray, so Ray's kills reach it. This process stays as the worker's stand-in
-in its parent's eyes: it exits with the worker's exit status, and when it is
-killed the worker kills itself (it watches the connection).
+in its parent's eyes: it passes the signals a process may handle on to the
+worker, exits with the worker's exit status, and when it is killed the
+worker kills itself (it watches the connection).
 
 Whatever goes wrong before the hand-over (no warm process can be started,
 the connection drops) ends in ``exec`` of the interpreter on the same
@@ -36,7 +37,8 @@ PER_WORKER_PREFIXES = ("RAY_JOB_ID", "COVERAGE_")
 START_WAIT_S = 120.0  # the warm process's imports, on a loaded machine
 STATUS = struct.Struct("!i")
 RAYLET_VARIABLE = "RAY_RAYLET_PID"  # Ray sets it for every worker; the warm process leaves with it
-COLD = -1
+COLD = -1  # the warm process's answer instead of a pid: start this worker cold
+# Signals a process may handle: passed on to the worker (Ray stops a worker with SIGTERM).
 FORWARDED = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -44,13 +46,12 @@ FORWARDED = (
     signal.SIGQUIT,
     signal.SIGUSR1,
     signal.SIGUSR2,
-)  # the warm process's answer instead of a pid: start this worker cold
+)
 
 
 def zygote_key(environ: dict[str, str], executable: str) -> str:
     """What the warm process must share with a worker: interpreter and environment, hashed."""
-    kept = sorted((k, v) for k, v in environ.items() if not k.startswith(PER_WORKER_PREFIXES))
-    blob = json.dumps([executable, kept]).encode()
+    blob = json.dumps([executable, sorted(zygote_environ(environ).items())]).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
@@ -171,6 +172,8 @@ def main(argv: list[str]) -> None:
         _cold_start(argv)  # the warm process stays, and answers the next shims at once
     _forward_signals(STATUS.unpack(forked)[0])
     code = _worker_status(sock)
+    for signum in FORWARDED:  # its pid may be another process's by now
+        signal.signal(signum, signal.SIG_DFL)
     if zygote is not None:
         # The warm process stays this shim's child, in Ray's process tree, until it
         # leaves with the raylet; so does this shim.

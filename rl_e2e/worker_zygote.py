@@ -71,7 +71,7 @@ def main(name: str) -> None:
         if listener in ready and broken:
             _refuse(listener)
         elif listener in ready:
-            _serve(listener, shims, imported)
+            _serve(listener, shims, imported, raylet)
 
 
 def _raylet_pidfd() -> int:
@@ -83,7 +83,10 @@ def _raylet_pidfd() -> int:
 
 
 def _serve(
-    listener: socket.socket, shims: dict[int, socket.socket], imported: dict[str, str]
+    listener: socket.socket,
+    shims: dict[int, socket.socket],
+    imported: dict[str, str],
+    raylet: int,
 ) -> None:
     conn = _accept(listener)
     if conn is None:
@@ -94,8 +97,12 @@ def _serve(
         conn.close()
         return
     pid = os.fork()
-    if pid == 0:
-        _become_worker(listener, conn, {**request["env"], **imported}, request, fds)
+    if pid == 0:  # what the warm process holds is none of the worker's business
+        listener.close()
+        os.close(raylet)
+        for other in shims.values():
+            other.close()
+        _become_worker(conn, {**request["env"], **imported}, request, fds)
     for fd in fds:
         os.close(fd)
     try:
@@ -171,7 +178,6 @@ def _reap(shims: dict[int, socket.socket]) -> None:
 
 
 def _become_worker(
-    listener: socket.socket,
     conn: socket.socket,
     environ: dict[str, str],
     request: dict,
@@ -181,7 +187,6 @@ def _become_worker(
     # A process group of its own, as Ray gives a worker it starts: the raylet kills a
     # dead worker's group, which would otherwise be the warm process's and its siblings'.
     os.setpgid(0, 0)
-    listener.close()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
     for target, fd in zip((0, 1, 2), fds, strict=True):

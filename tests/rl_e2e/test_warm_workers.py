@@ -31,6 +31,7 @@ print(json.dumps({
     "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "marker": "warmmarker" in sys.modules,
     "random": random.random(), "numpy": numpy.random.random(), "argv": sys.argv, "cwd": os.getcwd(),
     "job": os.environ.get("RAY_JOB_ID"), "set": os.environ.get("WARMMARKER_SET"),
+    "fds": len(os.listdir("/proc/self/fd")),
 }))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
@@ -131,6 +132,7 @@ def test_workers_are_forked_from_one_warm_process_that_imported_once(node):
     assert all(s["set"] == "at import" for s in seen)  # with what its import set
     assert len({s["random"] for s in seen}) == 3  # each seeded anew, not the fork's copy
     assert len({s["numpy"] for s in seen}) == 3
+    assert len({s["fds"] for s in seen}) == 1  # none holds the warm process's other sockets
     assert all(s["pgid"] == s["pid"] for s in seen)  # a group of its own, as Ray gives workers
     assert [s["job"] for s in seen] == ["00000000", "01000000", "02000000"]
     assert all(s["argv"] == ["report.py", "0"] and s["cwd"] == str(cwd) for s in seen)
