@@ -58,8 +58,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RL_DEFAULT_ENV_VARS: dict[str, str] = {
-    # Ray workers are fresh processes, not forks of a process that already used a
-    # tokenizer, so the Rust thread pool is safe. Saying so explicitly keeps
+    # Ray workers are fresh processes, or forks of a warm process that only imported
+    # modules (rl_e2e.warm_workers), never of one that used a tokenizer, so the Rust
+    # thread pool is safe. Saying so explicitly keeps
     # batch tokenization parallel and silences the fork warning HF prints.
     "TOKENIZERS_PARALLELISM": "true",
     # NCCL's warnings (transport fallbacks, timeouts) without the INFO flood of
