@@ -27,8 +27,8 @@ import psutil
 import pytest
 from deadlines import hang_guard
 
+from gpusched.execution.childenv import PortPool
 from gpusched.execution.proctree import processes_where
-from rl_e2e.ports import quiet_ports
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # A removed node is noticed in about a second and a half, not the default fifteen.
@@ -240,26 +240,21 @@ class StartedCluster:
         assert process.returncode == 0, out
 
 
-_HANDED_OUT: set[int] = set()
+_PORTS = PortPool()
 
 
 def free_port() -> int:
     """A port nothing listens on now, outside the kernel's ephemeral range, never
-    handed out before by this process.
+    handed out before by this process (gpusched's own pool of ports).
 
     ``bind(0)`` and every ``connect()`` on the machine draw from
     ``ip_local_port_range``: a port probed there and released was taken by
     another test file's Ray cluster before this ``ray start`` bound it (its GCS
     then failed with "Address already in use", and the CLI, reaching the other
-    cluster's GCS, with "InvalidAuthToken"). The probe's socket is closed at
-    once, so the same port could come back to the next probe: two servers of one
-    ``ray start`` given the same port make Ray refuse to start.
+    cluster's GCS, with "InvalidAuthToken"). Two servers of one ``ray start``
+    given the same port make Ray refuse to start.
     """
-    while True:
-        (port,) = quiet_ports(1)
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    return _PORTS.take()
 
 
 def _node_ports() -> list[str]:
