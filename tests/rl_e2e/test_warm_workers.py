@@ -276,10 +276,10 @@ import json, socket, struct, sys
 request = json.dumps({"argv": ["report.py", "0"], "env": {}, "cwd": "/"}).encode()
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect("\\0" + sys.argv[1])
-socket.send_fds(sock, [struct.pack("!i", len(request)) + request], [0, 1, 2])
 try:
+    socket.send_fds(sock, [struct.pack("!i", len(request)) + request], [0, 1, 2])
     print(len(sock.recv(4)))
-except ConnectionResetError:  # closed with the request unread
+except (BrokenPipeError, ConnectionResetError):  # closed before or after the request came
     print(0)
 """
 SYSTEM_PYTHON = "/usr/bin/python3"  # one the user nobody may run (the venv's is under /root)
