@@ -13,16 +13,20 @@ lived less than one interval) and what ran beside the command.
     python bench/suite_cpu.py                                   # the whole suite
     python bench/suite_cpu.py -- gpusched run tests/trainer/test_async_rl.py --simulate-gpus 2
     python bench/suite_cpu.py --interval 0.5 -- python -m trainer trainer.total_steps=2
+    python bench/suite_cpu.py --dump procs.json    # every process, its parent and its CPU
+    python bench/suite_cpu.py --only-mine -- ...      # beside other work: the command's own only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = [sys.executable, "-m", "gpusched", "run", "tests", "--simulate-gpus", "2"]
+
+MARK_VARIABLE = "SUITE_CPU_MARK"  # --only-mine: the command's processes inherit it
 
 #: Ray's own processes, by a piece of their command line, and the kind they count as.
 RAY_SYSTEM = {
@@ -92,6 +98,7 @@ class Seen:
 
     cpu: float
     cmdline: str
+    ppid: int = 0
 
 
 def _telling(old: str, new: str) -> str:
@@ -120,10 +127,14 @@ def _resolved(command: list[str]) -> list[str]:
 
 
 def sample(
-    command: list[str], interval: float
+    command: list[str], interval: float, only_mine: bool = False
 ) -> tuple[dict[tuple[int, float], Seen], float, float, int]:
     """Run ``command``; every process's CPU by (pid, start time), the wall, the machine's busy
-    core-seconds over the run, and the command's exit status."""
+    core-seconds over the run, and the command's exit status.
+
+    ``only_mine``: only the processes that inherited the mark this run puts in
+    the command's environment (what else runs on the machine is left out).
+    """
     before: dict[tuple[int, float], float] = {}
     for proc in psutil.process_iter(["pid", "create_time", "cpu_times"]):
         times = proc.info["cpu_times"]
@@ -131,20 +142,31 @@ def sample(
             before[(proc.pid, proc.info["create_time"])] = times.user + times.system
     seen: dict[tuple[int, float], Seen] = {}
     busy0, began = _busy_core_seconds(), time.monotonic()
-    child = subprocess.Popen(command, cwd=ROOT)
+    mark = uuid.uuid4().hex
+    child = subprocess.Popen(command, cwd=ROOT, env={**os.environ, MARK_VARIABLE: mark})
     me = psutil.Process().pid
+    mine: dict[tuple[int, float], bool] = {}
     while child.poll() is None:
-        for proc in psutil.process_iter(["pid", "create_time", "cpu_times", "cmdline"]):
+        for proc in psutil.process_iter(["pid", "ppid", "create_time", "cpu_times", "cmdline"]):
             times = proc.info["cpu_times"]
             if times is None or proc.pid == me:
                 continue
             key = (proc.pid, proc.info["create_time"])
+            if only_mine and not mine.setdefault(key, _marked(proc, mark)):
+                continue
             cpu = times.user + times.system - before.get(key, 0.0)
             old = seen.get(key)
             cmdline = " ".join(proc.info["cmdline"] or [])
-            seen[key] = Seen(cpu, _telling(old.cmdline if old else "", cmdline))
+            seen[key] = Seen(cpu, _telling(old.cmdline if old else "", cmdline), proc.info["ppid"])
         time.sleep(interval)
     return seen, time.monotonic() - began, _busy_core_seconds() - busy0, child.returncode
+
+
+def _marked(proc: psutil.Process, mark: str) -> bool:
+    try:
+        return proc.environ().get(MARK_VARIABLE) == mark
+    except psutil.Error:
+        return False
 
 
 def table(seen: dict[tuple[int, float], Seen]) -> list[tuple[str, float, int]]:
@@ -161,13 +183,26 @@ def table(seen: dict[tuple[int, float], Seen]) -> list[tuple[str, float, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
+    parser.add_argument(
+        "--only-mine",
+        action="store_true",
+        help="count only the command's own processes (by a mark in their environment)",
+    )
+    parser.add_argument(
+        "--dump", type=Path, help="also write every process (pid, parent, CPU, command) as JSON"
+    )
     parser.add_argument("command", nargs="*", help="the command to run (after --)")
     args = parser.parse_args()
     if args.interval <= 0:
         parser.error(f"--interval must be > 0, got {args.interval}")
     command = _resolved(args.command or DEFAULT)
-    seen, wall, busy, code = sample(command, args.interval)
+    seen, wall, busy, code = sample(command, args.interval, args.only_mine)
     rows = table(seen)
+    if args.dump:
+        args.dump.write_text(json.dumps([
+            {"pid": pid, "started": started, "ppid": p.ppid, "cpu": p.cpu, "cmdline": p.cmdline}
+            for (pid, started), p in seen.items()
+        ]))  # fmt: skip
     total = sum(c for _, c, _ in rows)
     print(f"\ncommand: {' '.join(command)}")
     print(f"exit {code}; wall {wall:.0f} s on {psutil.cpu_count()} cores; the machine was busy "
