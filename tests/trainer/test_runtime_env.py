@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -352,3 +354,39 @@ def test_worker_setup_sets_the_trainer_log_level(monkeypatch):
     monkeypatch.setenv("TRAINER_LOG_LEVEL", "debug")
     worker_setup()
     assert logging.getLogger("trainer").level == logging.DEBUG
+
+
+# --- the warm preload ---------------------------------------------------------------
+
+# What a worker does up to its first step, after the warm process's imports.
+WORKER_IMPORTS = """\
+import importlib, sys
+for name in sys.argv[2].split(","):
+    importlib.import_module(name)
+before = set(sys.modules)
+import trainer.controller.host, trainer.workers.actor, trainer.workers.critic
+import trainer.workers.rollout, trainer.rollout.hf
+from trainer.models import load_causal_lm, load_tokenizer
+load_tokenizer(sys.argv[1])
+load_causal_lm(sys.argv[1]).generate
+print("\\n".join(sorted(set(sys.modules) - before)))
+"""
+# Third-party code that costs a worker seconds to import, for each worker again.
+HEAVY = ("transformers.models.", "transformers.generation", "torch.distributed.checkpoint",
+         "torch.distributed.fsdp", "tokenizers", "omegaconf")  # fmt: skip
+
+
+def test_the_warm_preload_leaves_a_worker_no_heavy_import_of_its_own(tmp_path):
+    """``transformers`` is a lazy module: preloading it alone left each worker its models."""
+    from trainer.models import ensure_tiny_model
+
+    model = ensure_tiny_model(cache_dir=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER_IMPORTS, str(model), ",".join(WARM_PRELOAD)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    own = [name for name in proc.stdout.split() if name.startswith(HEAVY)]
+    assert not own, f"imported by each worker, not by the warm process: {own}"

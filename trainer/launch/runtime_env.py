@@ -10,7 +10,7 @@ here are only the trainer's choices:
   ``TRAINER_``;
 - ``TRAINER_EXCLUDE``: names and globs never forwarded;
 - ``WARM_PRELOAD``: workers are forked from a per-node process that imported
-  torch, tensordict and transformers once (``RL_E2E_WARM_WORKERS=0``: off);
+  the third-party modules they use once (``RL_E2E_WARM_WORKERS=0``: off);
 - ``worker_setup`` as Ray's ``worker_process_setup_hook`` (a dotted path: Ray
   imports it by name in each worker). It configures the trainer's logging and
   then runs the user's ``TRAINER_EXTRA_WORKER_SETUP_HOOK="/abs/file.py:function"``.
@@ -54,8 +54,22 @@ LOG_LEVEL_VAR = "TRAINER_LOG_LEVEL"
 WORKER_SETUP_HOOK = "trainer.launch.runtime_env.worker_setup"
 
 # What every trainer worker imports before its first line of work; a node's warm
-# process imports them once and forks the workers (rl_e2e.warm_workers).
-WARM_PRELOAD = ("torch", "tensordict", "transformers")
+# process imports them once and forks the workers (rl_e2e.warm_workers). Named
+# down to the modules that do the work: ``transformers`` alone is a lazy module
+# whose models, tokenizers and generation code each worker would import again.
+WARM_PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "tensordict",
+    "transformers",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.generation.utils",
+    "tokenizers",
+    "omegaconf",
+)
 
 LAYERS = RuntimeEnvLayers(
     defaults=DEFAULT_ENV_VARS,
