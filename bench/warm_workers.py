@@ -3,8 +3,9 @@
 For each mode, one local Ray cluster (``ray.init(address="local")``) with the
 trainer's own runtime env (``trainer.launch.runtime_env.get_runtime_env``;
 ``RL_E2E_WARM_WORKERS=0`` for cold), then ``--actors`` actors created at once,
-each importing what a trainer worker imports (``trainer.workers.actor``), and
-``ray.get`` on each one's ``ready``. Reported per mode, averaged over the
+each importing what a trainer worker imports (``trainer.workers.actor``) and
+loading the tiny model and tokenizer (which imports transformers' model code),
+and ``ray.get`` on each one's ``ready``. Reported per mode, averaged over the
 rounds (the order alternates: cold first in odd rounds):
 
 * worker CPU: CPU seconds (user + system) of each actor's process up to ready,
@@ -35,16 +36,21 @@ sys.path.insert(0, str(REPO))
 
 from rl_e2e.warm_workers import SWITCH_VARIABLE  # noqa: E402
 from trainer.launch.runtime_env import get_runtime_env  # noqa: E402
+from trainer.models import ensure_tiny_model  # noqa: E402
 
 MODES = ("cold", "warm")
 
 
 @ray.remote(num_cpus=1)
 class Imports:
-    """An actor that imports what a trainer worker imports."""
+    """An actor that imports what a trainer worker imports and loads the tiny model as it does."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_path: str) -> None:
         import trainer.workers.actor  # noqa: F401
+        from trainer.models import load_causal_lm, load_tokenizer
+
+        load_tokenizer(model_path)
+        load_causal_lm(model_path)
 
     def ready(self) -> tuple[int, int]:
         return os.getpid(), os.getppid()
@@ -62,7 +68,7 @@ def _cpu(pid: int) -> float:
     return times.user + times.system
 
 
-def measure(mode: str, actors: int) -> dict[str, float]:
+def measure(mode: str, actors: int, model_path: str) -> dict[str, float]:
     environ = {**os.environ, SWITCH_VARIABLE: "1" if mode == "warm" else "0"}
     ray.init(
         address="local",
@@ -73,7 +79,7 @@ def measure(mode: str, actors: int) -> dict[str, float]:
     )
     try:
         busy, start = _busy_core_seconds(), time.perf_counter()
-        handles = [Imports.remote() for _ in range(actors)]
+        handles = [Imports.remote(model_path) for _ in range(actors)]
         seen = ray.get([handle.ready.remote() for handle in handles])
         wall, busy = time.perf_counter() - start, _busy_core_seconds() - busy
         worker_cpu = sum(_cpu(pid) for pid, _ in seen)
@@ -91,11 +97,12 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    model_path = str(ensure_tiny_model())
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for round_ in range(args.rounds):
         order = MODES if round_ % 2 == 0 else MODES[::-1]
         for mode in order:
-            figures = measure(mode, args.actors)
+            figures = measure(mode, args.actors, model_path)
             results[mode].append(figures)
             print(
                 f"round {round_ + 1} {mode}: "
@@ -105,7 +112,10 @@ def main() -> None:
         mode: {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
         for mode, rows in results.items()
     }
-    print(f"\n{args.actors} actors importing trainer.workers.actor, mean of {args.rounds} rounds")
+    print(
+        f"\n{args.actors} actors importing trainer.workers.actor and loading the tiny model, "
+        f"mean of {args.rounds} rounds"
+    )
     print(f"{'':22}{'cold':>9}{'warm':>9}{'warm/cold':>11}")
     for key, label in (
         ("worker", "worker CPU s/actor"),
