@@ -206,7 +206,8 @@ def main() -> int:
     total = sum(c for _, c, _ in rows)
     print(f"\ncommand: {' '.join(command)}")
     print(f"exit {code}; wall {wall:.0f} s on {psutil.cpu_count()} cores; the machine was busy "
-          f"{busy:.0f} core-s, {total:.0f} of them attributed below ({total / max(busy, 1e-9):.0%})")  # fmt: skip
+          f"{busy:.0f} core-s, {total:.0f} of them " + ("the command's own processes'" if
+          args.only_mine else f"attributed below ({total / max(busy, 1e-9):.0%})"))  # fmt: skip
     print(f"\n{'kind':44} {'core-s':>8} {'share':>6} {'procs':>6} {'s/proc':>7}")
     for kind, cpu, count in rows:
         print(f"{kind:44} {cpu:8.1f} {cpu / total:6.1%} {count:6d} {cpu / count:7.1f}")

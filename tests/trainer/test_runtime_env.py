@@ -366,9 +366,10 @@ for name in sys.argv[2].split(","):
 before = set(sys.modules)
 import trainer.controller.host, trainer.workers.actor, trainer.workers.critic
 import trainer.workers.rollout, trainer.rollout.hf
+import torch
 from trainer.models import load_causal_lm, load_tokenizer
 load_tokenizer(sys.argv[1])
-load_causal_lm(sys.argv[1]).generate
+load_causal_lm(sys.argv[1]).generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=True)
 print("\\n".join(sorted(set(sys.modules) - before)))
 """
 # Third-party code that costs a worker seconds to import, for each worker again.
