@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import traceback
+from collections import deque
 
 import pytest
 import ray
@@ -32,7 +33,13 @@ from trainer.controller import (
     WorkerError,
     create_role_groups,
 )
+from trainer.controller.errors import InputLostError
+from trainer.controller.group import _fetch_one
+from trainer.controller.host import WorkerHost
+from trainer.controller.layout import Piece
+from trainer.controller.resident import ShardPlan
 from trainer.data import batch as B
+from trainer.loop.rollouts import PooledRollouts, _Pending
 
 # pytest imports this file as a top-level module that Ray workers cannot
 # import: ship the worker classes defined here by value.
@@ -297,6 +304,47 @@ def test_worker_that_dies_is_a_clear_error_not_a_hang(groups_shared):
         group.shutdown()
     finally:
         manager.release()
+
+
+@ray.remote(num_cpus=0)
+class BatchOwner:
+    """Holds a batch column in the object store, as a rollout worker holds the batch it made."""
+
+    def keep(self) -> list:
+        return [ray.put(TensorDict({"x": torch.ones(2)}, batch_size=[2]))]
+
+
+def test_an_input_lost_with_the_process_holding_it_is_told_apart(groups_shared):
+    """The rank cannot read its part of a resident batch: InputLostError, not its own failure."""
+    owner = BatchOwner.remote()
+    [ref] = ray.get(owner.keep.remote())
+    ray.kill(owner)
+    plan = ShardPlan(pieces=(Piece(0, 0, 2),), columns={"x": {0: ref}})
+    host = WorkerHost.options(num_cpus=0).remote(0, None)
+    try:
+        with pytest.raises(InputLostError) as info:
+            _fetch_one(host.call.remote("actor", "update_actor", plan), 0, "actor", "update_actor")
+    finally:
+        ray.kill(host)
+    assert (info.value.role, info.value.rank, info.value.method) == ("actor", 0, "update_actor")
+    assert "OwnerDiedError" in info.value.remote_traceback
+
+
+def test_a_lost_input_is_reported_as_the_rollout_workers_death_that_caused_it():
+    """What the trainer raises for an InputLostError: a queued call's WorkerDiedError."""
+    died = WorkerDiedError("rollout", 0, "generate_sequences", "exit code 3")
+
+    def dies() -> None:
+        raise died
+
+    def raises() -> None:
+        raise WorkerError("rollout", 1, "load_weights", "ValueError")
+
+    rollouts = PooledRollouts.__new__(PooledRollouts)  # only its queue and pushes are read
+    rollouts.queue, rollouts.acks = deque([_Pending(None, PendingCall(raises))]), []
+    assert rollouts.death_meanwhile(0.1) is None  # a raised error is that call's own
+    rollouts.acks = [(2, "fingerprint", 0.0, PendingCall(dies))]
+    assert rollouts.death_meanwhile(0.1) is died
 
 
 class NcclWorker(Worker):

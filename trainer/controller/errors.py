@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["WorkerDiedError", "WorkerError"]
+__all__ = ["InputLostError", "WorkerDiedError", "WorkerError"]
 
 
 class WorkerError(RuntimeError):
@@ -20,6 +20,15 @@ class WorkerError(RuntimeError):
             f"{self.role}.{self.method} failed on rank {self.rank} (role {self.role!r}); "
             f"remote traceback:\n{self.remote_traceback.rstrip()}"
         )
+
+
+class InputLostError(WorkerError):
+    """A worker's input was lost with the process that held it (Ray's ``ObjectLostError``).
+
+    The failure is that other process's: a rollout worker that died while an
+    actor still had to read the batch it made, say. The driver looks for that
+    death before reporting this error (:meth:`trainer.loop.ppo.PPOTrainer.fit`).
+    """
 
 
 class WorkerDiedError(RuntimeError):

@@ -41,8 +41,8 @@ def _fetch_one(ref: Any, rank: int, role: str, method: str) -> Any:
         return ray.get(ref)
     except RayTaskError as error:
         cause = error.cause
-        if isinstance(cause, WorkerError):
-            raise WorkerError(
+        if isinstance(cause, WorkerError):  # its own class: InputLostError is told apart
+            raise type(cause)(
                 cause.role, cause.rank, cause.method, cause.remote_traceback
             ) from None
         raise WorkerError(role, rank, method, str(error)) from None
@@ -91,6 +91,13 @@ class PendingCall:
         if not self._refs:
             return True
         done, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(done) == len(self._refs)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every rank to finish; whether they all have."""
+        if not self._refs:
+            return True
+        done, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=timeout_s)
         return len(done) == len(self._refs)
 
     def get(self) -> Any:

@@ -20,9 +20,10 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import ObjectLostError
 
 from trainer.controller import ledger
-from trainer.controller.errors import WorkerError
+from trainer.controller.errors import InputLostError, WorkerError
 from trainer.controller.rendezvous import free_port
 from trainer.controller.resident import ShardPlan, keep, resolve
 from trainer.controller.worker import Worker, WorkerContext, create_worker
@@ -75,10 +76,17 @@ class WorkerHost:
         """
         try:
             t0 = time.perf_counter()
-            args = tuple(resolve(a) if isinstance(a, ShardPlan) else a for a in args)
-            kwargs = {k: resolve(v) if isinstance(v, ShardPlan) else v for k, v in kwargs.items()}
+            try:
+                args = tuple(resolve(a) if isinstance(a, ShardPlan) else a for a in args)
+                kwargs = {
+                    k: resolve(v) if isinstance(v, ShardPlan) else v for k, v in kwargs.items()
+                }
+            except ObjectLostError:
+                raise InputLostError(role, self._rank, method, traceback.format_exc()) from None
             self._store_s += time.perf_counter() - t0
             return getattr(self._workers[role], method)(*args, **kwargs)
+        except InputLostError:
+            raise
         except Exception:
             raise WorkerError(role, self._rank, method, traceback.format_exc()) from None
 

@@ -22,6 +22,8 @@ from trainer.algorithms import mismatch as rollout_mismatch
 from trainer.algorithms import ppo_math as algos
 from trainer.checkpoints import rng
 from trainer.config import Config
+from trainer.controller.errors import InputLostError
+from trainer.controller.group import DEATH_GRACE_S
 from trainer.controller.ledger import Ledger, tensor_bytes
 from trainer.controller.resident import Resident
 from trainer.data import batch as batch_ops
@@ -580,7 +582,13 @@ class PPOTrainer:
             if on_step is not None:
                 on_step(0, first)
         while self.step < t.total_steps:
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except InputLostError as lost:  # the process that held the input is the failure
+                died = self.rollouts.death_meanwhile(DEATH_GRACE_S)
+                if died is None:
+                    raise
+                raise died from lost
             done = self.step == t.total_steps
             if t.val_every and (self.step % t.val_every == 0 or done):
                 metrics.update(self.validate())

@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from trainer.config import Config
+from trainer.controller.errors import WorkerDiedError, WorkerError
 from trainer.controller.resident import Resident
 from trainer.data import batch as batch_ops
 from trainer.data.prompts import PromptDataset, PromptLoader
@@ -119,6 +120,10 @@ class ColocatedRollouts:
 
     def restart(self, step: int) -> None:
         """Nothing is queued."""
+
+    def death_meanwhile(self, timeout_s: float) -> WorkerDiedError | None:
+        """No call of another pool can have died: the actor's workers generate."""
+        return None
 
 
 @dataclass
@@ -248,6 +253,26 @@ class PooledRollouts:
     def resume_loader_state(self) -> dict[str, int]:
         """The data position of the oldest batch no step has taken: a resume draws it again."""
         return self.queue[0].drawn.loader_state if self.queue else self.loader.state_dict()
+
+    def death_meanwhile(self, timeout_s: float) -> WorkerDiedError | None:
+        """A rollout worker's death that a queued call or push reports within ``timeout_s``.
+
+        What an :class:`~trainer.controller.errors.InputLostError` of the update
+        usually means: the rollout worker holding the batch died before the
+        actor read it, and says so on the call it was running.
+        """
+        deadline = time.monotonic() + timeout_s
+        calls = [p.call for p in self.queue] + [ack[3] for ack in self.acks]
+        for call in calls:
+            if not call.wait(max(deadline - time.monotonic(), 0.0)):
+                continue
+            try:
+                call.get()
+            except WorkerDiedError as died:
+                return died
+            except WorkerError:
+                continue
+        return None
 
     def restart(self, step: int) -> None:
         """After a resume: nothing queued, the next batch drawn is ``step``'s."""
