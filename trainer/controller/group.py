@@ -88,10 +88,7 @@ class PendingCall:
 
     def ready(self) -> bool:
         """Whether every rank has finished (``.get()`` would not wait)."""
-        if not self._refs:
-            return True
-        done, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
-        return len(done) == len(self._refs)
+        return self.wait(0)
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every rank to finish; whether they all have."""
