@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -359,20 +361,30 @@ def test_a_caller_killed_with_sigkill_leaves_no_rank_and_no_fork_server(tmp_path
     script.write_text(
         textwrap.dedent(_KILLED).format(tests=str(Path(__file__).parent), logs=str(logs))
     )
-    caller = subprocess.Popen([sys.executable, str(script)])
+    # multiprocessing puts the fork server's socket in a pymp-* directory under the
+    # caller's TMPDIR and removes it at the caller's exit, which SIGKILL skips.
+    caller_tmp = tempfile.mkdtemp(prefix="killed", dir="/tmp")  # short: a socket path
     try:
-        deadline = time.monotonic() + hang_guard(30)
-        while not (logs / "rank1.out").exists() or not (logs / "rank1.out").read_text():
-            assert time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.2)
-        tree = psutil.Process(caller.pid).children(recursive=True)
-        # The server and the two ranks it forked, which show its command line.
-        assert sum("multiprocessing.forkserver" in " ".join(_cmdline(p)) for p in tree) == 3
+        caller = subprocess.Popen(
+            [sys.executable, str(script)], env={**os.environ, "TMPDIR": caller_tmp}
+        )
+        try:
+            deadline = time.monotonic() + hang_guard(30)
+            while not (logs / "rank1.out").exists() or not (logs / "rank1.out").read_text():
+                assert time.monotonic() < deadline, "the ranks never started"
+                time.sleep(0.2)
+            tree = psutil.Process(caller.pid).children(recursive=True)
+            # The server and the two ranks it forked, which show its command line.
+            assert sum("multiprocessing.forkserver" in " ".join(_cmdline(p)) for p in tree) == 3
+        finally:
+            caller.send_signal(signal.SIGKILL)
+            caller.wait()
+        _, alive = psutil.wait_procs(tree, timeout=hang_guard(5))
+        assert [p.pid for p in alive if "resource_tracker" not in " ".join(_cmdline(p))] == []
+        # Only the caller's own directory is left, which its exit would have removed.
+        assert [path.name[:5] for path in Path(caller_tmp).iterdir()] == ["pymp-"]
     finally:
-        caller.send_signal(signal.SIGKILL)
-        caller.wait()
-    _, alive = psutil.wait_procs(tree, timeout=hang_guard(5))
-    assert [p.pid for p in alive if "resource_tracker" not in " ".join(_cmdline(p))] == []
+        shutil.rmtree(caller_tmp)
 
 
 _FORKED = """
