@@ -70,6 +70,8 @@ class JobCluster:
     url: str
     temp_dir: Path
     log: Path
+    #: ``TMPDIR`` of the cluster's processes and of the jobs they run; removed with the cluster.
+    tmp: Path
     env: dict[str, str] = field(repr=False)
     tree: list[Any] = field(default_factory=list, repr=False)
     coverage: WorkerCoverage | None = field(default=None, repr=False)
@@ -275,6 +277,11 @@ def head_cluster(
     cluster: JobCluster | None = None
     token = secrets.token_hex(32)
     env = cluster_env(token)
+    # The cluster's processes (jobs included) make their temporary files in here, removed
+    # below with the rest: the stop kills processes that would remove theirs at exit.
+    tmp = root / "tmp"
+    tmp.mkdir()
+    processes_env = {**env, "TMPDIR": str(tmp)}
     log.touch()
     try:
         for attempt in range(1, attempts + 1):
@@ -302,7 +309,11 @@ def head_cluster(
                 out.write(f"--- attempt {attempt}: {' '.join(command)}\n")
                 out.flush()
                 head = subprocess.Popen(
-                    command, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
+                    command,
+                    env=processes_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    process_group=0,
                 )
             try:
                 up = _wait_until_up(url, token, head, log, since, start_timeout_s)
@@ -317,7 +328,7 @@ def head_cluster(
                 f"ray start exited while starting, {attempts} times:\n"
                 f"{log.read_text(errors='replace')[-3000:]}"
             )
-        cluster = JobCluster(url=url, temp_dir=temp_dir, log=log, env=env)
+        cluster = JobCluster(url=url, temp_dir=temp_dir, log=log, tmp=tmp, env=env)
         cluster.coverage = start_measuring()
         try:
             yield cluster

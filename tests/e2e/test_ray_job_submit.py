@@ -37,7 +37,7 @@ TINY_RUN = [
 ]
 
 DRIVER = """
-import json, os
+import json, os, tempfile
 import ray
 from trainer.launch.runtime_env import get_runtime_env
 
@@ -50,10 +50,12 @@ def look():
         "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM"),
         "marker_in_cwd": os.path.exists("marker.txt"),
         "pid": os.getpid(),
+        "tempdir": tempfile.gettempdir(),
     }
 
 results = ray.get([look.remote() for _ in range(2)])
 print("RESULT " + json.dumps(results), flush=True)
+print("DRIVER TEMPDIR " + tempfile.gettempdir(), flush=True)
 """
 
 
@@ -73,6 +75,8 @@ def test_the_jobs_runtime_env_wins_over_the_trainers(e2e_ray_job, tmp_path):
         assert seen["NCCL_DEBUG"] == "INFO"  # the job's value, not our WARN
         assert seen["TOKENIZERS_PARALLELISM"] == "true"  # our default still applies
         assert seen["marker_in_cwd"] is True  # the job's working_dir
+        assert seen["tempdir"] == str(e2e_ray_job.tmp)  # removed with the cluster
+    assert f"DRIVER TEMPDIR {e2e_ray_job.tmp}\n" in output
 
 
 def test_a_submitted_trainer_joins_the_cluster_it_was_submitted_to(e2e_ray_job, tmp_path):
