@@ -276,12 +276,12 @@ def head_cluster(
     root = Path(tempfile.mkdtemp(prefix="rj", dir=short_temp_root()))
     cluster: JobCluster | None = None
     token = secrets.token_hex(32)
-    env = cluster_env(token)
-    # The cluster's processes (jobs included) make their temporary files in here, removed
-    # below with the rest: the stop kills processes that would remove theirs at exit.
+    # The cluster's processes (jobs included) and its clients make their temporary files
+    # in here, removed below with the rest: the stop kills processes that would remove
+    # theirs at exit.
     tmp = root / "tmp"
     tmp.mkdir()
-    processes_env = {**env, "TMPDIR": str(tmp)}
+    env = {**cluster_env(token), "TMPDIR": str(tmp)}
     log.touch()
     try:
         for attempt in range(1, attempts + 1):
@@ -309,11 +309,7 @@ def head_cluster(
                 out.write(f"--- attempt {attempt}: {' '.join(command)}\n")
                 out.flush()
                 head = subprocess.Popen(
-                    command,
-                    env=processes_env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    process_group=0,
+                    command, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
                 )
             try:
                 up = _wait_until_up(url, token, head, log, since, start_timeout_s)
