@@ -212,6 +212,25 @@ class FakeNvml:
         return self.HELD if self.polls[card] <= self.held_polls.get(card, 0) else self.IDLE
 
 
+class PollClock:
+    """Time that passes only in the releaser's own sleeps (which still really sleep).
+
+    The release timeout is then a number of polls, not seconds of a machine
+    that may be busy: with the wall clock, three polls of a held card took
+    over a second on a loaded CI machine, and card 0 was quarantined too.
+    """
+
+    def __init__(self) -> None:
+        self.slept = 0.0
+
+    def now(self) -> float:
+        return round(self.slept, 6)
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+        await asyncio.sleep(seconds)
+
+
 class EpisodeRelease(NvmlRelease):
     """``NvmlRelease`` that tells the fake layer when a job's release begins."""
 
@@ -243,7 +262,16 @@ def gpu_release() -> list[Observation]:
     with Sandbox(RELEASE_SUITE) as box, environ_of(box):
         layer = FakeNvml({"0": HOLD_POLLS, "1": float("inf")})
         warnings: list[str] = []
-        releaser = EpisodeRelease(layer, RELEASE_TIMEOUT, 10**9, poll=POLL, warn=warnings.append)
+        clock = PollClock()
+        releaser = EpisodeRelease(
+            layer,
+            RELEASE_TIMEOUT,
+            10**9,
+            poll=POLL,
+            warn=warnings.append,
+            clock=clock.now,
+            sleep=clock.sleep,
+        )
         recorder = Recorder()
         runner, jobs = build(box, RELEASE_FILES, ["0", "1"], recorder, releaser)
         report = asyncio.run(asyncio.wait_for(runner.run(jobs), 120))
