@@ -39,17 +39,18 @@ run, which waits for the server's one import of torch and ``torch.distributed``
 (about 1.2 CPU seconds on the 2-core machine; each rank after it then costs
 about 0.05 CPU seconds, against 1.3 for one importing torch itself:
 ``bench/rank_start.py``).
-It imports :mod:`rl_e2e.rank_server` and nothing else (not the caller's
-``__main__``), which never initialises CUDA, so a rank may use CUDA
-(``backend="nccl"``). A process forked from the caller starts a server of its
-own. Other code of the caller that uses the fork server shares it and its
-preload list; a server that other code started before the first run still
-serves the ranks, which then import torch themselves.
+It imports :mod:`rl_e2e.rank_server`, then what :func:`set_rank_preload` names
+(nothing by default; the plugin's ``rl_e2e_rank_preload`` ini option sets it),
+and nothing else (not the caller's ``__main__``); none of it initialises CUDA,
+so a rank may use CUDA (``backend="nccl"``). A process forked from the caller
+starts a server of its own. Other code of the caller that uses the fork server
+shares it and its preload list; a server that other code started before the
+first run still serves the ranks, which then import torch themselves.
 
 A rank runs in the caller's environment, directory and ``sys.path`` as they
-are when the run starts, not in the server's; only what torch reads once as
-it is imported (``TORCH_LOGS``, say) keeps its value of when the server
-started (``TORCH_DISTRIBUTED_DEBUG`` is read again). A rank leaves by
+are when the run starts, not in the server's; only what torch and the
+preloaded modules read once as they are imported (``TORCH_LOGS``, say) keeps
+its value of when the server started (``TORCH_DISTRIBUTED_DEBUG`` is read again). A rank leaves by
 ``os._exit``, as every child of the server does: ``atexit`` handlers do not run
 in it (coverage's data is saved before).
 """
@@ -67,7 +68,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -83,7 +84,9 @@ __all__ = [
     "DistributedRankError",
     "DistributedTimeoutError",
     "RankLogs",
+    "rank_preload",
     "run_distributed",
+    "set_rank_preload",
 ]
 
 MASTER_ADDR = "127.0.0.1"
@@ -100,8 +103,10 @@ _COLLECTIVE_GRACE_S = 30.0
 # How much of each rank's output an error message quotes.
 _TAIL_LINES = 20
 _STACK_SIGNAL = signal.SIGUSR1
-# The one module the fork server imports (torch with it): see rl_e2e/rank_server.py.
+# The module the fork server imports first (torch with it): see rl_e2e/rank_server.py.
 _SERVER_PRELOAD = "rl_e2e.rank_server"
+# What else it imports after that: set_rank_preload.
+_rank_preload: tuple[str, ...] = ()
 _PR_SET_PDEATHSIG = 1
 
 
@@ -767,12 +772,43 @@ def run_distributed(
             del store
 
 
+def set_rank_preload(modules: Sequence[str]) -> None:
+    """Name the modules the ranks' fork server imports, after torch, before it forks any rank.
+
+    Each rank then finds them imported instead of importing them itself: the
+    cost of a rank that runs a trainer's code (tensordict, transformers'
+    models and tokenizers, FSDP, DCP: about 3 CPU seconds, 4 under coverage)
+    is paid once per calling process. Name third-party modules only: the
+    server's imports run before any rank measures coverage, so the
+    module-level lines of a package of your own imported there would go
+    unmeasured in the ranks. A named module must not initialise CUDA or start
+    a thread as it is imported (the ranks are forked from the server). One
+    that fails to import is left to the ranks, which then raise on their own
+    import of it. The list replaces the previous one and takes effect when the
+    server starts: at the first run of the process, or after a run killed it.
+
+    Raises:
+        ValueError: an entry that is not a dotted module name.
+    """
+    global _rank_preload
+    names = tuple(modules)
+    for name in names:
+        if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"set_rank_preload: {name!r} is not a module name (package.module)")
+    _rank_preload = names
+
+
+def rank_preload() -> tuple[str, ...]:
+    """The modules a fork server started now would import after torch (see :func:`set_rank_preload`)."""
+    return _rank_preload
+
+
 def _fork_server() -> tuple[BaseContext, int]:
     """multiprocessing's fork server of this process, started now unless it runs; and its pid.
 
     One per process: multiprocessing keeps it in a module global, and its
     contexts (``get_context("forkserver")`` and any new one) all use that one.
-    It is started with :data:`_SERVER_PRELOAD` to import, and without
+    It is started with :data:`_SERVER_PRELOAD` and then :func:`rank_preload` to import, and without
     coverage's start-up variables: a measured server would pass a running
     tracer, with the server's data file, to every rank it forks (a rank starts
     its own, :func:`_measure_rank`). Returns at once: the server imports as the
@@ -782,7 +818,7 @@ def _fork_server() -> tuple[BaseContext, int]:
     from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([_SERVER_PRELOAD])
+    context.set_forkserver_preload([_SERVER_PRELOAD, *_rank_preload])
     with patched_environ({START_VARIABLE: None, CONFIG_VARIABLE: None}):
         forkserver.ensure_running()
     return context, forkserver._forkserver._forkserver_pid  # no public API gives the pid

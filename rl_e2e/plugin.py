@@ -57,7 +57,7 @@ from typing import Any
 import pytest
 
 from rl_e2e.coverage import check_start_variable, session_coverage
-from rl_e2e.distributed import RankLogs
+from rl_e2e.distributed import RankLogs, set_rank_preload
 from rl_e2e.netguard import GuardDecision, loopback_guard
 from rl_e2e.ray_job import JobCluster, JobClusterError, head_cluster
 from rl_e2e.ray_local import Leftovers, RayCluster, WorkerLogs, local_cluster
@@ -103,6 +103,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"rl_e2e: {err}") from None
     config.stash[_SETTINGS] = settings
     config.stash[_SOURCE] = source
+    if settings.rank_preload:
+        set_rank_preload(settings.rank_preload)
     config.stash[_HEADER] = [
         f"rl_e2e: runtime env from {source.name}: {describe_runtime_env(runtime_env)}",
         f"rl_e2e: loopback guard: {config.stash[_GUARD].describe()}",

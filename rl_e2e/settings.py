@@ -96,6 +96,13 @@ OPTIONS: tuple[IniOption, ...] = (
         "the group, before every rank's stack is dumped and the ranks are killed.",
     ),
     IniOption(
+        "rl_e2e_rank_preload",
+        "args",
+        [],
+        "Modules (third-party: tensordict transformers) the e2e_distributed ranks' fork "
+        "server imports once, after torch; each rank then finds them imported.",
+    ),
+    IniOption(
         "rl_e2e_log_bytes",
         "string",
         "16000",
@@ -119,6 +126,7 @@ class Settings:
     ray_scope: str = "module"
     ray_num_cpus: int = 2
     rank_timeout: float = 600.0
+    rank_preload: tuple[str, ...] = ()
     log_bytes: int = 16000
 
     @property
@@ -192,6 +200,7 @@ def read_settings(get: Callable[[str], Any]) -> Settings:
         ray_scope=str(get("rl_e2e_ray_scope") or "module").strip(),
         ray_num_cpus=_positive_int("rl_e2e_ray_num_cpus", get("rl_e2e_ray_num_cpus") or "2"),
         rank_timeout=_positive_float("rl_e2e_rank_timeout", get("rl_e2e_rank_timeout") or "600"),
+        rank_preload=tuple(get("rl_e2e_rank_preload") or ()),
         log_bytes=_positive_int("rl_e2e_log_bytes", get("rl_e2e_log_bytes") or "16000"),
     )
     if settings.ray_scope not in ("module", "session"):
@@ -207,11 +216,13 @@ def read_settings(get: Callable[[str], Any]) -> Settings:
         raise SettingsError(
             f"rl_e2e_env_setup_hook = {hook!r}: must be a dotted path package.module.function"
         )
-    for module in settings.env_warm_preload:
-        if not all(part.isidentifier() for part in module.split(".")):
-            raise SettingsError(
-                f"rl_e2e_env_warm_preload: {module!r} is not a module name (package.module)"
-            )
+    for name, modules in (
+        ("rl_e2e_env_warm_preload", settings.env_warm_preload),
+        ("rl_e2e_rank_preload", settings.rank_preload),
+    ):
+        for module in modules:
+            if not all(part.isidentifier() for part in module.split(".")):
+                raise SettingsError(f"{name}: {module!r} is not a module name (package.module)")
     composer = [
         name
         for name, value in (

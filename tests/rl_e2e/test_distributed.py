@@ -430,19 +430,64 @@ _SERVER_HANGS = """
 """
 
 
-def test_a_fork_server_stuck_in_its_imports_is_cut_by_the_start_up_bound(tmp_path: Path) -> None:
-    script = tmp_path / "server_hangs.py"
-    script.write_text(textwrap.dedent(_SERVER_HANGS).format(tests=str(Path(__file__).parent)))
-    (tmp_path / "hangs_as_imported.py").write_text("import time\n\ntime.sleep(3600)\n")
-    done = subprocess.run(
+def _run_caller(script: Path, template: str) -> subprocess.CompletedProcess:
+    """Write ``template`` as the caller ``script`` and run it in its directory."""
+    script.write_text(textwrap.dedent(template).format(tests=str(Path(__file__).parent)))
+    return subprocess.run(
         [sys.executable, str(script)],
-        cwd=tmp_path,  # where the server, started in the caller's directory, finds the module
+        cwd=script.parent,  # where the server, started in the caller's directory, finds modules
         capture_output=True,
         text=True,
         timeout=hang_guard(60),
     )
+
+
+def test_a_fork_server_stuck_in_its_imports_is_cut_by_the_start_up_bound(tmp_path: Path) -> None:
+    (tmp_path / "hangs_as_imported.py").write_text("import time\n\ntime.sleep(3600)\n")
+    done = _run_caller(tmp_path / "server_hangs.py", _SERVER_HANGS)
     assert "NOT JOINED [0, 1]" in done.stdout, done.stderr[-3000:]
-    assert _processes_running(script) == []
+    assert _processes_running(tmp_path / "server_hangs.py") == []
+
+
+def _preloaded(rank: int, world_size: int, module: str) -> tuple[bool, int, int]:
+    """Whether ``module`` was imported before the rank ran anything; the rank's pid and parent."""
+    return module in sys.modules, os.getpid(), os.getppid()
+
+
+_PRELOADED = """
+    import sys
+    sys.path[:0] = [{tests!r}, {tests!r} + '/..']
+    from rl_e2e import distributed
+    from test_distributed import _preloaded
+    if __name__ == "__main__":
+        distributed.set_rank_preload(["no_such_module_here", "marker_module"])
+        for seen, pid, parent in distributed.run_distributed(_preloaded, 2, "marker_module"):
+            print("RANK", seen, pid, parent, flush=True)
+"""
+
+
+def test_the_fork_server_imports_the_rank_preload_once_for_every_rank(tmp_path: Path) -> None:
+    """Each rank finds the named module imported, by the server, once; a missing one is skipped."""
+    imported = tmp_path / "imported.pids"
+    (tmp_path / "marker_module.py").write_text(
+        f"import os\nwith open({str(imported)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n"
+    )
+    done = _run_caller(tmp_path / "preloaded.py", _PRELOADED)
+    ranks = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RANK")]
+    assert len(ranks) == 2, done.stdout + done.stderr[-3000:]
+    assert all(seen == "True" for seen, _, _ in ranks), ranks
+    (server,) = {parent for _, _, parent in ranks}
+    assert imported.read_text().split() == [server], (imported.read_text(), ranks)
+    assert _processes_running(tmp_path / "preloaded.py") == []
+
+
+def test_a_rank_preload_entry_that_is_not_a_module_name_is_refused() -> None:
+    from rl_e2e import distributed
+
+    before = distributed.rank_preload()
+    with pytest.raises(ValueError, match="set_rank_preload: 'torch.' is not a module name"):
+        distributed.set_rank_preload(["tensordict", "torch."])
+    assert distributed.rank_preload() == before
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:

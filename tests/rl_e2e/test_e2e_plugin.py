@@ -142,6 +142,10 @@ def not_strings():
         ({"rl_e2e_env_setup_hook": "nodots"}, "must be a dotted path"),
         ({"rl_e2e_env_warm_preload": "torch no-such"}, "'no-such' is not a module name"),
         (
+            {"rl_e2e_rank_preload": "tensordict torch."},
+            "rl_e2e_rank_preload: 'torch.' is not a module name",
+        ),
+        (
             {"rl_e2e_runtime_env": "builders:a_list", "rl_e2e_env_warm_preload": "torch"},
             "set one or the other",
         ),
@@ -167,6 +171,22 @@ def test_settings_resolve_without_a_session():
     assert (settings.ray_scope, settings.ray_num_cpus, settings.layered) == ("module", 2, True)
     with pytest.raises(SettingsError, match="rl_e2e_log_bytes = 'lots'"):
         read_settings({**defaults, "rl_e2e_log_bytes": "lots"}.get)
+
+
+_RANK_PRELOAD = """
+    from rl_e2e.distributed import rank_preload
+
+    def test_the_ini_names_what_the_ranks_fork_server_imports():
+        assert rank_preload() == ("json", "xml.dom")
+"""
+
+
+def test_the_rank_preload_ini_option_reaches_the_ranks_fork_server(pytester):
+    pytester.makeconftest(ENABLE)
+    pytester.makepyfile(test_preload=textwrap.dedent(_RANK_PRELOAD))
+    _ini(pytester, rl_e2e_rank_preload="json xml.dom")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
 
 
 # --- configured in code, and scopes ----------------------------------------------------

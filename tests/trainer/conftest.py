@@ -8,6 +8,10 @@ Fixtures (scope in brackets):
 - ``trainer_cli`` [module]: runs ``python -m trainer ARGS`` as a user would,
   in an environment with its own model cache (the tiny model built once) and
   a short ``RAY_TMPDIR``, removed when the module ends.
+
+The ranks of ``run_distributed`` here run the trainer's worker code, so their
+fork server imports what a warm Ray worker gets (``WARM_PRELOAD``: tensordict,
+transformers' model classes, FSDP, DCP) once per test file, not once per rank.
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from pathlib import Path
 import pytest
 from deadlines import hang_guard
 
+from rl_e2e.distributed import set_rank_preload
+from trainer.launch.runtime_env import WARM_PRELOAD
+
 REPO = Path(__file__).resolve().parents[2]
+
+set_rank_preload(WARM_PRELOAD)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_e2e.distributed import run_distributed
+from rl_e2e.distributed import run_distributed, set_rank_preload
+from trainer.launch.runtime_env import WARM_PRELOAD
 from trainer.models import TinySpec, ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,6 +38,9 @@ def _cpu_vllm() -> str | None:
 
 
 pytestmark = pytest.mark.skipif(_cpu_vllm() is not None, reason=str(_cpu_vllm()))
+if _cpu_vllm() is None:
+    # Every rank here builds an engine: vLLM's import (about 4 CPU s) once, in the fork server.
+    set_rank_preload((*WARM_PRELOAD, "vllm.entrypoints.llm"))
 
 
 @pytest.fixture(scope="module")
