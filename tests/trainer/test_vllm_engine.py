@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_e2e.distributed import run_distributed, set_rank_preload
-from trainer.launch.runtime_env import WARM_PRELOAD
+from rl_e2e.distributed import rank_preload, run_distributed, set_rank_preload
 from trainer.models import TinySpec, ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,9 +37,19 @@ def _cpu_vllm() -> str | None:
 
 
 pytestmark = pytest.mark.skipif(_cpu_vllm() is not None, reason=str(_cpu_vllm()))
-if _cpu_vllm() is None:
-    # Every rank here builds an engine: vLLM's import (about 4 CPU s) once, in the fork server.
-    set_rank_preload((*WARM_PRELOAD, "vllm.entrypoints.llm"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_in_the_rank_server():
+    """Every rank here builds an engine: vLLM's import (about 4 CPU s) once, in the fork server.
+
+    (Where this process's server already runs, started by another module, the
+    ranks import vLLM themselves.)
+    """
+    before = rank_preload()
+    set_rank_preload((*before, "vllm.entrypoints.llm"))
+    yield
+    set_rank_preload(before)
 
 
 @pytest.fixture(scope="module")
