@@ -50,9 +50,9 @@ first run still serves the ranks, which then import torch themselves.
 A rank runs in the caller's environment, directory and ``sys.path`` as they
 are when the run starts, not in the server's; only what torch and the
 preloaded modules read once as they are imported (``TORCH_LOGS``, say) keeps
-its value of when the server started (``TORCH_DISTRIBUTED_DEBUG`` is read again). A rank leaves by
-``os._exit``, as every child of the server does: ``atexit`` handlers do not run
-in it (coverage's data is saved before).
+its value of when the server started (``TORCH_DISTRIBUTED_DEBUG`` is read
+again). A rank leaves by ``os._exit``, as every child of the server does:
+``atexit`` handlers do not run in it (coverage's data is saved before).
 """
 
 from __future__ import annotations
@@ -777,12 +777,13 @@ def set_rank_preload(modules: Sequence[str]) -> None:
 
     Each rank then finds them imported instead of importing them itself: the
     cost of a rank that runs a trainer's code (tensordict, transformers'
-    models and tokenizers, FSDP, DCP: about 3 CPU seconds, 4 under coverage)
-    is paid once per calling process. Name third-party modules only: the
-    server's imports run before any rank measures coverage, so the
-    module-level lines of a package of your own imported there would go
-    unmeasured in the ranks. A named module must not initialise CUDA or start
-    a thread as it is imported (the ranks are forked from the server). One
+    models and tokenizers, FSDP, DCP: about 3 CPU seconds) is paid once per
+    calling process. Name third-party modules only: the server's imports run
+    before any rank measures coverage, so the module-level lines of a package
+    of your own imported there would go unmeasured in the ranks. A named
+    module must not initialise CUDA as it is imported, nor start a thread a
+    rank would need (the ranks are forked from the server, which copies no
+    thread; OpenBLAS's pool, which numpy starts, is made again after a fork). One
     that fails to import is left to the ranks, which then raise on their own
     import of it. The list replaces the previous one and takes effect when the
     server starts: at the first run of the process, or after a run killed it.
