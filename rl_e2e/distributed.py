@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rl_e2e.coverage import CONFIG_VARIABLE, START_VARIABLE, WorkerCoverage, start_measuring
+from rl_e2e.settings import is_module_name
 from rl_e2e.source import patched_environ
 
 __all__ = [
@@ -794,7 +795,7 @@ def set_rank_preload(modules: Sequence[str]) -> None:
     global _rank_preload
     names = tuple(modules)
     for name in names:
-        if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+        if not is_module_name(name):
             raise ValueError(f"set_rank_preload: {name!r} is not a module name (package.module)")
     _rank_preload = names
 

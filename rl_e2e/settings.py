@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIONS", "IniOption", "Settings", "SettingsError", "read_settings"]
+__all__ = ["OPTIONS", "IniOption", "Settings", "SettingsError", "is_module_name", "read_settings"]
 
 
 class SettingsError(ValueError):
@@ -135,6 +135,11 @@ class Settings:
         return not self.runtime_env
 
 
+def is_module_name(name: object) -> bool:
+    """Whether ``name`` is a dotted module name (``package.module``), as the preload lists take."""
+    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
+
+
 def _positive_int(name: str, raw: str) -> int:
     try:
         value = int(str(raw).strip(), 10)
@@ -221,7 +226,7 @@ def read_settings(get: Callable[[str], Any]) -> Settings:
         ("rl_e2e_rank_preload", settings.rank_preload),
     ):
         for module in modules:
-            if not all(part.isidentifier() for part in module.split(".")):
+            if not is_module_name(module):
                 raise SettingsError(f"{name}: {module!r} is not a module name (package.module)")
     composer = [
         name
