@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from deadlines import hang_guard
 from ray import cloudpickle
+from ray.exceptions import OwnerDiedError
 from tensordict import TensorDict
 
 from trainer.controller import (
@@ -37,7 +38,7 @@ from trainer.controller.errors import InputLostError
 from trainer.controller.group import _fetch_one
 from trainer.controller.host import WorkerHost
 from trainer.controller.layout import Piece
-from trainer.controller.resident import ShardPlan
+from trainer.controller.resident import Resident, ShardColumns, ShardPlan
 from trainer.data import batch as B
 from trainer.loop.rollouts import PooledRollouts, _Pending
 
@@ -327,6 +328,26 @@ def test_an_input_lost_with_the_process_holding_it_is_told_apart(groups_shared):
     finally:
         ray.kill(host)
     assert (info.value.role, info.value.rank, info.value.method) == ("actor", 0, "update_actor")
+    assert "OwnerDiedError" in info.value.remote_traceback
+
+
+def test_the_drivers_own_read_of_a_lost_batch_is_an_input_lost_error_too(groups_shared):
+    """The driver reads a column of a batch whose maker died: InputLostError as for a rank,
+    so the trainer reports the maker's death (which Ray may report after the read fails)."""
+    owner = BatchOwner.remote()
+    [ref], [probe] = ray.get([owner.keep.remote(), owner.keep.remote()])
+    ray.kill(owner)
+    deadline = time.monotonic() + hang_guard(30)
+    while time.monotonic() < deadline:  # until this process has heard of the owner's death
+        try:
+            ray.get(probe)
+        except OwnerDiedError:
+            break
+        time.sleep(0.1)
+    batch = Resident.from_shards([ShardColumns({"x": ref}, 2, {"x": 8})], 2)
+    with pytest.raises(InputLostError) as info:
+        batch["x"]
+    assert (info.value.role, info.value.method) == ("driver", "read of x")
     assert "OwnerDiedError" in info.value.remote_traceback
 
 

@@ -28,6 +28,8 @@ class InputLostError(WorkerError):
     The failure is that other process's: a rollout worker that died while an
     actor still had to read the batch it made, say. The driver looks for that
     death before reporting this error (:meth:`trainer.loop.ppo.PPOTrainer.fit`).
+    The driver's own read of such a batch raises it too, with role ``"driver"``
+    (:class:`trainer.controller.resident.Resident`).
     """
 
 

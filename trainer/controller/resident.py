@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import itertools
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
+from ray.exceptions import ObjectLostError
 from tensordict import TensorDict, TensorDictBase
 
 from trainer.controller import ledger
+from trainer.controller.errors import InputLostError
 from trainer.controller.layout import Piece, plan_rows, real_rows_per_shard
 from trainer.data import batch as batch_ops
 
@@ -273,7 +276,14 @@ class Resident:
         t0 = time.perf_counter()
         real = real_rows_per_shard(self.shard_rows, self.real)
         shards = [i for i, r in enumerate(real) if r]
-        values = iter(ray.get([self.columns[k].refs[i] for k in keys for i in shards]))
+        try:
+            values = iter(ray.get([self.columns[k].refs[i] for k in keys for i in shards]))
+        except ObjectLostError:
+            # The process that made the batch died (a rollout worker, say): that death is
+            # the failure, and the trainer reports it as it does for a rank's lost input.
+            raise InputLostError(
+                "driver", 0, f"read of {', '.join(keys)}", traceback.format_exc()
+            ) from None
         received = 0
         for key in keys:
             column = batch_ops.concat([next(values)[: real[i]] for i in shards])
