@@ -150,7 +150,13 @@ def _two_node_cluster(num_cpus: int = 4, num_gpus: int = 4):
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": num_cpus, "num_gpus": num_gpus, "include_dashboard": False},
+            head_node_args={
+                "num_cpus": num_cpus,
+                "num_gpus": num_gpus,
+                "include_dashboard": False,
+                # The trainer's workers are actors: idle workers started ahead would serve none.
+                "_system_config": {"prestart_worker_first_driver": False},
+            },
         )
         try:
             cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)

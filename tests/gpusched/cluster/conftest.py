@@ -92,9 +92,11 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
                 "num_gpus": 0,  # see _ray_args: Ray counts no card, the node simulates its own
                 "include_dashboard": False,
                 "env_vars": dict(nodes[0]),
-                # A copy: Ray writes this cluster's spilling directory into the dict, and the
+                # A new dict: Ray writes this cluster's spilling directory into it, and the
                 # next cluster would spill into (and create again) this one's, gone by then.
-                "_system_config": dict(FAST_HEALTH),
+                # No idle workers started ahead for a driver: gpusched's node agents are
+                # actors with workers of their own.
+                "_system_config": {**FAST_HEALTH, "prestart_worker_first_driver": False},
             },
         )
         try:
