@@ -20,6 +20,7 @@ from deadlines import hang_guard
 from ray import cloudpickle
 from ray.util.placement_group import placement_group_table
 
+from rl_e2e.ray_local import with_lazy_workers
 from trainer.controller import (
     Dispatch,
     InfeasibleError,
@@ -150,13 +151,10 @@ def _two_node_cluster(num_cpus: int = 4, num_gpus: int = 4):
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={
-                "num_cpus": num_cpus,
-                "num_gpus": num_gpus,
-                "include_dashboard": False,
-                # The trainer's workers are actors: idle workers started ahead would serve none.
-                "_system_config": {"prestart_worker_first_driver": False},
-            },
+            # The trainer's workers are actors: idle workers started ahead would serve none.
+            head_node_args=with_lazy_workers(
+                {"num_cpus": num_cpus, "num_gpus": num_gpus, "include_dashboard": False}
+            ),
         )
         try:
             cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)

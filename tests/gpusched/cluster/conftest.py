@@ -29,6 +29,7 @@ from deadlines import hang_guard
 
 from gpusched.execution.childenv import PortPool
 from gpusched.execution.proctree import processes_where
+from rl_e2e.ray_local import with_lazy_workers
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # A removed node is noticed in about a second and a half, not the default fifteen.
@@ -87,17 +88,19 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
         patch.delenv("RAY_ADDRESS", raising=False)
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "num_gpus": 0,  # see _ray_args: Ray counts no card, the node simulates its own
-                "include_dashboard": False,
-                "env_vars": dict(nodes[0]),
-                # A new dict: Ray writes this cluster's spilling directory into it, and the
-                # next cluster would spill into (and create again) this one's, gone by then.
-                # No idle workers started ahead for a driver: gpusched's node agents are
-                # actors with workers of their own.
-                "_system_config": {**FAST_HEALTH, "prestart_worker_first_driver": False},
-            },
+            # No idle workers started ahead for a driver: gpusched's node agents are actors
+            # with workers of their own (with_lazy_workers, as rl_e2e's clusters).
+            head_node_args=with_lazy_workers(
+                {
+                    "num_cpus": 1,
+                    "num_gpus": 0,  # see _ray_args: Ray counts no card, the node simulates its own
+                    "include_dashboard": False,
+                    "env_vars": dict(nodes[0]),
+                    # A new dict: Ray writes this cluster's spilling directory into it, and the
+                    # next cluster would spill into (and create again) this one's, gone by then.
+                    "_system_config": dict(FAST_HEALTH),
+                }
+            ),
         )
         try:
             for env in nodes[1:]:
