@@ -139,6 +139,11 @@ class ForkedProcess:
     def returncode(self) -> int | None:
         return self.server.exits.get(self.pid)
 
+    @property
+    def exit_cpu(self) -> float | None:
+        """CPU seconds the child and the children it reaped used, once it has exited."""
+        return self.server.exit_cpu.get(self.pid)
+
     async def wait(self) -> int:
         return await asyncio.shield(self.server.exit_future(self.pid))
 
@@ -172,6 +177,7 @@ class ForkServer:
         self.placeholder = placeholder
         self.warm = warm  # the empty directory of its warm-up; removed by ``close``
         self.exits: dict[int, int] = {}
+        self.exit_cpu: dict[int, float] = {}  # a child's CPU seconds, from its wait status
         self.hello: dict[str, Any] = {}
         self.timeout = 300.0  # seconds to wait for the hello
         self._started: dict[int, int] = {}
@@ -251,6 +257,8 @@ class ForkServer:
                         future.set_result(message["pid"])
                 case "exit":
                     self.exits[message["pid"]] = message["code"]
+                    if "cpu" in message:
+                        self.exit_cpu[message["pid"]] = message["cpu"]
                     future = self._exit_futures.get(message["pid"])
                     if future is not None and not future.done():
                         future.set_result(message["code"])

@@ -24,8 +24,9 @@ handlers, and the child re-creates them on first use.
 
 Messages are JSON lines. Runner to server: ``{"id", "args", "env", "log", "cwd",
 "tag"}``. Server to runner: ``{"event": "ready"|"unsafe", ...}`` once, then
-``{"event": "started", "id", "pid"}`` and ``{"event": "exit", "pid", "code"}``
-(``code`` as ``subprocess`` reports it: negative for a signal). End of file on
+``{"event": "started", "id", "pid"}`` and ``{"event": "exit", "pid", "code", "cpu"}``
+(``code`` as ``subprocess`` reports it: negative for a signal; ``cpu`` the CPU
+seconds of the child and the children it reaped, from ``wait4``). End of file on
 the socket stops the server; its children are the runner's to kill.
 """
 
@@ -420,12 +421,14 @@ def _child_main(request: dict[str, Any], keep_closed: Sequence[int], placeholder
 def _reap(sock: socket.socket) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        _write(sock, {"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+        cpu = round(usage.ru_utime + usage.ru_stime, 3)  # the child's and those it reaped
+        code = os.waitstatus_to_exitcode(status)
+        _write(sock, {"event": "exit", "pid": pid, "code": code, "cpu": cpu})
 
 
 def serve(sock: socket.socket, placeholder: str) -> None:

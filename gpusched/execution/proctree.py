@@ -240,7 +240,9 @@ def kill_job(
 
 # ---- CPU use of running jobs -----------------------------------------------------------
 
-CPU_INTERVAL = 0.5  # seconds between two scans of the running jobs' process trees
+# Seconds between two scans of the running jobs' process trees. A scan reads every process on
+# the machine (some 25 ms of CPU for 130 processes on a slow core): at 2 s it costs ~1% of one.
+CPU_INTERVAL = 2.0
 _SETTLED = 1.0  # a process this old has exec'd if it ever will: its environment is final
 
 
@@ -283,6 +285,7 @@ class _Metered:
     seen: dict[tuple[int, float], tuple[int, float, float]] = field(default_factory=dict)
     gone: float = 0.0  # CPU seconds of processes that ended without a parent of the job
     last: tuple[float, float] | None = None  # (time, total) of the latest sample
+    exited: tuple[float, float] | None = None  # (time, the root's exit figure): see ``exited``
     high: float | None = None  # the highest total so far: the peak counts only what is new
     peak: float = 0.0
 
@@ -296,11 +299,14 @@ class CpuMeter:
     times once; a job's total is the sum over its live processes (each with
     the children it reaped) plus the last figure of those that ended with no
     parent in the job to reap them. What a process used after the last scan
-    before it ended is not counted, so a job is measured only once a scan saw
-    it (``stop`` returns None for a job shorter than one interval).
+    before it ended is not counted, unless the runner hands the root's exit
+    figure to ``exited`` (a fork server's child: its wait status carries the
+    CPU time of the root and every child it reaped), which also measures a
+    job shorter than one interval; without either, ``stop`` returns None.
 
-    ``watch`` and ``stop`` are called by the runner on its event loop; the
-    scans run in a thread of their own while a job is watched (``start``).
+    ``watch``, ``exited`` and ``stop`` are called by the runner on its event
+    loop; the scans run in a thread of their own while a job is watched
+    (``start``).
     """
 
     def __init__(
@@ -340,16 +346,32 @@ class CpuMeter:
             self._jobs[key] = _Metered(root_pid, tag, self._clock(), baseline)
         self._wake.set()
 
+    def exited(self, key: object, cpu_seconds: float) -> None:
+        """The job's root has exited having used ``cpu_seconds``, its own and those of the
+        children it reaped (its exit status's resource use): exact where the scans only
+        sample, and known even for a job shorter than one scan. The first call counts."""
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is not None and job.exited is None:
+                job.exited = (self._clock(), cpu_seconds)
+
     def stop(self, key: object) -> CpuUse | None:
-        """The job's use from ``watch`` to its last scan; None if no scan saw it. Forgets it."""
+        """The job's use from ``watch`` to its last scan, or to its root's exit where that
+        figure is the larger; None if neither is known. Forgets it."""
         with self._lock:
             job = self._jobs.pop(key, None)
-        if job is None or job.last is None:
+        if job is None:
             return None
-        when, total = job.last
+        figures = [known for known in (job.last, job.exited) if known is not None]
+        if not figures:
+            return None
+        # The scans also see processes outside the root's reaped tree (Ray's workers); the
+        # exit figure also holds what the tree used after the last scan: take the larger.
+        when, total = max(figures, key=lambda figure: figure[1])
         wall = when - job.started
         seconds = min(max(0.0, total - job.baseline), self._cores * wall)
-        return CpuUse(seconds, wall, job.peak)
+        mean = CpuUse(seconds, wall, 0.0).mean
+        return CpuUse(seconds, wall, max(job.peak, mean))  # no interval is below the mean
 
     def sample(self) -> None:
         """Scan every process once and update every watched job (blocking: the meter's thread)."""

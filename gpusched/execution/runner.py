@@ -700,6 +700,12 @@ class Runner(RevisesPending):
         finally:
             self.events.put_nowait(Ready(job_id))
 
+    def _exited(self, job: Job, proc: asyncio.subprocess.Process | ForkedProcess) -> None:
+        """Hand the meter the root's exit figure, where the fork server reported one."""
+        cpu = proc.exit_cpu if isinstance(proc, ForkedProcess) else None
+        if cpu is not None:
+            self.meter.exited(job.id, cpu)
+
     async def _run_job(
         self,
         job: Job,
@@ -732,6 +738,7 @@ class Runner(RevisesPending):
             self.events.put_nowait(Started(job, cards, proc.pid, attempt))
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
+                self._exited(job, proc)
             except TimeoutError:
                 timed_out = config.timeout
             root = proc.pid if proc.returncode is None else None  # a reaped pid may be reused
@@ -745,6 +752,7 @@ class Runner(RevisesPending):
                 settle=SETTLE if timed_out is None else 0.0,
             )
             await proc.wait()
+            self._exited(job, proc)
         except asyncio.CancelledError:
             interrupted = True
             if child is None:

@@ -61,11 +61,14 @@ def run_pytest(tmp_path: Path):
 
 @pytest.fixture
 def run_gpusched(tmp_path: Path):
-    """The real ``gpusched`` command as a subprocess in the suite dir."""
+    """The real ``gpusched`` command as a subprocess in the suite dir (``via``: the python
+    arguments that start it, e.g. ``("-c", source)`` for a wrapper that patches something)."""
 
-    def run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    def run(
+        *args: str, timeout: float = 120, via: tuple[str, ...] = ("-m", "gpusched"), **env: str
+    ) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "gpusched", *args],
+            [sys.executable, *via, *args],
             cwd=tmp_path,
             env=_clean_env(**env),
             capture_output=True,

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 from deadlines import hang_guard
 
 from gpusched.execution.proctree import TAG_VARIABLE, CpuMeter
@@ -132,8 +133,10 @@ def test_a_child_its_parent_never_waits_for_still_counts():
     assert BURN * 0.9 <= use.seconds < BURN * 4
 
 
-def test_a_tagged_process_that_left_the_tree_is_counted():
-    """Ray's daemons start their own session and outlive their parent; they keep the tag."""
+@pytest.mark.parametrize("root_exit", [None, 0.01], ids=["running", "root-exited"])
+def test_a_tagged_process_that_left_the_tree_is_counted(root_exit):
+    """Ray's daemons start their own session and outlive their parent; they keep the tag.
+    Their time is in no wait status of the root: the scans' larger figure stands."""
     meter = CpuMeter()
     tag = f"cpu-meter-test-{os.getpid()}"
     escapee = python(BURNER, start_new_session=True, env={**os.environ, TAG_VARIABLE: tag})
@@ -143,6 +146,8 @@ def test_a_tagged_process_that_left_the_tree_is_counted():
         wait_line(escapee, "burnt")
         wait_line(root, "up")
         meter.sample()
+        if root_exit is not None:
+            meter.exited("job", root_exit)  # what the root itself used
         use = meter.stop("job")
     finally:
         end(escapee)
@@ -159,6 +164,20 @@ def test_a_job_no_scan_saw_is_not_measured():
         assert meter.stop("never watched") is None
     finally:
         end(proc)
+
+
+def test_a_job_no_scan_saw_is_measured_by_its_roots_exit_figure():
+    """A fork server's child: its wait status holds what it and the children it reaped used."""
+    meter = CpuMeter()
+    proc = python(f"import time\nwhile time.process_time() < {BURN}:\n    pass\n")
+    meter.watch("job", proc.pid, None)
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0  # reaped here, not by Popen
+    meter.exited("job", usage.ru_utime + usage.ru_stime)
+    use = meter.stop("job")
+    assert use is not None
+    assert BURN * 0.9 <= use.seconds < BURN * 4
+    assert use.peak >= use.mean > 0
 
 
 class CountingMeter(CpuMeter):

@@ -355,6 +355,43 @@ def test_the_server_and_its_children_are_gone_after_a_run(make_suite, run_gpusch
     assert os.path.exists(tmp_path / ".gpusched" / "logs" / "forkserver.log")
 
 
+# ``gpusched run .`` whose meter never scans: what it records can only come from wait statuses.
+RUN_UNSCANNED = """
+import functools, sys
+from gpusched.execution import proctree, runner
+runner.CpuMeter = functools.partial(proctree.CpuMeter, interval=3600.0)
+from gpusched.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_files_cpu_use_is_counted_from_its_wait_status_up_to_its_exit(
+    make_suite, run_gpusched, tmp_path
+):
+    """The meter scans every few seconds, and misses what a process used after its last scan
+    and any file shorter than a scan; the server's ``wait4`` gives what the file's process and
+    the children it reaped used, to the end. Here no scan ever runs."""
+    burn = 0.6
+    make_suite(
+        {
+            "conftest.py": f"""
+                import time
+
+                def pytest_unconfigure(config):  # pytest's last hook: the process exits next
+                    while time.process_time() < {burn}:
+                        pass
+            """,
+            "test_quick.py": "def test_quick():\n    pass\n",
+        }
+    )
+    done = run_gpusched("run", ".", via=("-c", RUN_UNSCANNED))
+    assert done.returncode == 0, done.stdout + done.stderr
+    history = json.loads((tmp_path / ".gpusched" / "durations.json").read_text())
+    entry = history["files"]["test_quick.py"]
+    assert entry["cpu"] * entry["seconds"] >= burn * 0.9, entry
+    assert entry["peak"] >= entry["cpu"], entry
+
+
 # ---------------------------------------------------------------- early starts
 
 SLOW = "import time\n\ndef test_slow():\n    time.sleep(1.0)\n"
