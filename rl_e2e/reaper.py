@@ -21,6 +21,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -29,24 +30,49 @@ __all__ = ["Reaper", "start_reaper", "sweep"]
 TAG_VARIABLE = "RL_E2E_CLUSTER_TAG"
 
 
-def _tagged_trees(variable: str, tag: str) -> dict[int, float]:
+SETTLED_S = 1.0  # a process this old has exec'd if it ever will: its environment is final
+
+
+def _tagged_trees(
+    variable: str, tag: str, untagged: set[tuple[int, float]] | None = None
+) -> dict[int, float]:
     """Processes carrying the tag, and all their descendants: pid -> creation time.
 
     Descendants count whatever their environment shows: Ray's agents rewrite
     their process title, which blanks what ``/proc/PID/environ`` shows of them.
+    One pass over the process table (psutil's ``children`` would make one per
+    tagged process). ``untagged``: (pid, creation time) of settled processes
+    found without the tag, kept by the caller between polls so that their
+    environment is read once, not every poll (reading it is most of a poll's cost).
     """
     import psutil
 
-    found: dict[int, float] = {}
     me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid == me:
+    now = time.time()
+    created: dict[int, float] = {}
+    children: dict[int, list[int]] = {}
+    roots: list[int] = []
+    for proc in psutil.process_iter(["ppid", "create_time"]):
+        info = proc.info
+        key = (proc.pid, info["create_time"])
+        if proc.pid == me or info["create_time"] is None:
+            continue
+        created[proc.pid] = info["create_time"]
+        children.setdefault(info["ppid"], []).append(proc.pid)
+        if untagged is not None and key in untagged:
             continue
         with contextlib.suppress(psutil.Error):
             if proc.environ().get(variable) == tag:
-                for member in (proc, *proc.children(recursive=True)):
-                    with contextlib.suppress(psutil.Error):
-                        found[member.pid] = member.create_time()
+                roots.append(proc.pid)
+            elif untagged is not None and now - info["create_time"] > SETTLED_S:
+                untagged.add(key)
+    found: dict[int, float] = {}
+    stack = roots
+    while stack:
+        pid = stack.pop()
+        if pid not in found and pid in created:
+            found[pid] = created[pid]
+            stack.extend(children.get(pid, ()))
     return found
 
 
@@ -110,12 +136,13 @@ def main(argv: list[str], poll_s: float = 2.0) -> int:
     """Note the cluster's processes every ``poll_s`` until the pipe closes, then kill them."""
     variable, tag = argv
     known: dict[int, float] = {}
+    untagged: set[tuple[int, float]] = set()
     stdin = sys.stdin.buffer.fileno()
     while True:
         ready, _, _ = select.select([stdin], [], [], poll_s)
         if ready and not os.read(stdin, 4096):
             break  # the test process closed the pipe, or died
-        known.update(_tagged_trees(variable, tag))
+        known.update(_tagged_trees(variable, tag, untagged))
     sweep(known, variable, tag)
     return 0
 

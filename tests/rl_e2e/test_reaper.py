@@ -10,7 +10,7 @@ import time
 import psutil
 from deadlines import hang_guard
 
-from rl_e2e.reaper import start_reaper
+from rl_e2e.reaper import SETTLED_S, TAG_VARIABLE, _tagged_trees, start_reaper
 
 # A child that carries the tag and starts a grandchild: the reaper kills both.
 _PARENT = """
@@ -52,3 +52,30 @@ def test_closing_the_reaper_kills_the_tagged_tree_and_spares_the_rest():
         tagged.kill()
         untagged.wait()
         tagged.wait()
+
+
+def test_a_poll_finds_a_tree_tagged_after_its_neighbours_were_read_once():
+    """The reaper reads a settled process's environment once; a tree that starts later, or a
+    pid taken by a tagged newcomer, is still found (the cache keys on creation time too)."""
+    tag = f"reaper-test-{os.getpid()}"
+    untagged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    tagged = None
+    try:
+        time.sleep(SETTLED_S + 0.2)
+        seen: set[tuple[int, float]] = set()
+        assert _tagged_trees(TAG_VARIABLE, tag, seen) == {}
+        assert (untagged.pid, psutil.Process(untagged.pid).create_time()) in seen
+        env = {**os.environ, TAG_VARIABLE: tag}
+        tagged = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, env=env)
+        assert tagged.stdout is not None and tagged.stdout.readline() == b"started\n"
+        (grandchild,) = _wait_for_children(tagged, 1)
+        found = _tagged_trees(TAG_VARIABLE, tag, seen)
+        assert set(found) == {tagged.pid, grandchild.pid}
+        assert untagged.pid not in found
+    finally:
+        for proc in (untagged, tagged):
+            if proc is not None:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+                proc.kill()
+                proc.wait()
