@@ -29,6 +29,7 @@ from typing import Any
 
 from rl_e2e.coverage import WorkerCoverage, start_measuring
 from rl_e2e.distributed import tail_text
+from rl_e2e.ray_startup import init_local
 from rl_e2e.reaper import start_reaper
 
 __all__ = ["Leftovers", "RayCluster", "WorkerLogs", "local_cluster", "short_temp_root"]
@@ -90,6 +91,9 @@ def local_cluster(
     the workers save before the shutdown, and their data is merged beside the
     session's data file after it.
 
+    A start that misses Ray's own 30 s deadline for the node to register (a
+    busy machine) is stopped and started again (:mod:`rl_e2e.ray_startup`).
+
     Raises:
         RuntimeError: Ray is already initialised in this process (a test that
             called ``ray.init`` itself, or two cluster fixtures at once).
@@ -109,14 +113,16 @@ def local_cluster(
     os.environ.setdefault(_WORKER_NICENESS, "0")
     try:
         try:
-            context = ray.init(
-                address="local",  # never a cluster a crashed `ray start` recorded
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                include_dashboard=False,
-                runtime_env=measuring.runtime_env(runtime_env) if measuring else runtime_env,
-                _temp_dir=str(temp_dir),
-                **with_lazy_workers(init_kwargs),
+            context = init_local(
+                lambda: ray.init(
+                    address="local",  # never a cluster a crashed `ray start` recorded
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    include_dashboard=False,
+                    runtime_env=measuring.runtime_env(runtime_env) if measuring else runtime_env,
+                    _temp_dir=str(temp_dir),
+                    **with_lazy_workers(init_kwargs),
+                )
             )
         finally:
             os.environ.pop(reaper.variable, None)  # the test's own children are not Ray's
