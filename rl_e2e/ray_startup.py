@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from rl_e2e.reaper import kill_and_wait
 
 __all__ = ["ATTEMPTS", "NODE_START_TIMEOUT", "init_local", "is_node_start_timeout"]
 
@@ -44,12 +46,12 @@ def init_local(
     """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
-    for attempt in range(1, attempts + 1):
+    for attempt in range(1, attempts):
         before = _descendants()
         try:
             return init()
         except Exception as error:
-            if not is_node_start_timeout(error) or attempt == attempts:
+            if not is_node_start_timeout(error):
                 raise
             _log.warning(
                 "Ray's node did not register within its start-up deadline (attempt %d of %d,"
@@ -60,36 +62,12 @@ def init_local(
             if stop_attempt is not None:
                 stop_attempt()
             else:
-                _kill_new(before)
-    raise AssertionError("unreachable")  # the loop returns or raises
+                kill_and_wait([proc for proc in _descendants() if proc not in before])
+    return init()  # the last attempt: its error is the caller's
 
 
-def _descendants() -> set[tuple[int, float]]:
+def _descendants() -> set[Any]:
+    """This process's descendants now (psutil processes compare by pid and creation time)."""
     import psutil
 
-    found = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            found.add((proc.pid, proc.create_time()))
-        except psutil.Error:
-            continue
-    return found
-
-
-def _kill_new(before: set[tuple[int, float]]) -> None:
-    """KILL the descendants of this process that were not there ``before``, and wait for them."""
-    import psutil
-
-    new = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if (proc.pid, proc.create_time()) not in before:
-                new.append(proc)
-        except psutil.Error:
-            continue
-    for proc in new:
-        try:
-            proc.kill()
-        except psutil.Error:
-            continue
-    psutil.wait_procs(new, timeout=10)
+    return set(psutil.Process().children(recursive=True))

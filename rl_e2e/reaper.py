@@ -23,9 +23,11 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Reaper", "start_reaper", "sweep"]
+__all__ = ["Reaper", "kill_and_wait", "start_reaper", "sweep"]
 
 TAG_VARIABLE = "RL_E2E_CLUSTER_TAG"
 
@@ -87,11 +89,19 @@ def sweep(known: dict[int, float], variable: str, tag: str) -> int:
             proc = psutil.Process(pid)
             if proc.create_time() == created:
                 targets.append(proc)
-    for proc in targets:
+    kill_and_wait(targets, timeout_s=5)
+    return len(targets)
+
+
+def kill_and_wait(processes: Sequence[Any], timeout_s: float = 10) -> None:
+    """SIGKILL each of ``processes`` (psutil processes; those already gone are skipped) and
+    wait up to ``timeout_s`` for them to exit."""
+    import psutil
+
+    for proc in processes:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(targets, timeout=5)
-    return len(targets)
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 @dataclass

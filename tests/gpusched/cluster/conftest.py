@@ -31,6 +31,7 @@ from gpusched.execution.childenv import PortPool
 from gpusched.execution.proctree import processes_where
 from rl_e2e.ray_local import with_lazy_workers
 from rl_e2e.ray_startup import ATTEMPTS, NODE_START_TIMEOUT
+from rl_e2e.reaper import kill_and_wait
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # A removed node is noticed in about a second and a half, not the default fifteen.
@@ -130,22 +131,11 @@ def node_processes(node) -> list:
     return family
 
 
-def kill_processes(processes: Sequence) -> None:
-    import psutil
-
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(processes, timeout=10)
-
-
 def remove_node(cluster, node, family: Sequence = ()) -> None:
     """Kill a raylet and what it started: its agents outlive a killed raylet by minutes."""
     family = [*family, *node_processes(node)]
     cluster.remove_node(node, allow_graceful=False)
-    kill_processes(family)
+    kill_and_wait(family)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +157,7 @@ def extra_node(cluster, env: Mapping[str, str]) -> Iterator:
         if node in cluster.worker_nodes:
             remove_node(cluster, node, family)
         else:
-            kill_processes(family)
+            kill_and_wait(family)
 
 
 def clean_env(ray_env: Mapping[str, str] = RAY_ENV) -> dict[str, str]:
@@ -317,7 +307,7 @@ def stop_processes(processes: Sequence[psutil.Process]) -> None:
             family.update({p.pid: p for p in (proc, *proc.children(recursive=True))})
         except psutil.Error:
             pass
-    kill_processes(list(family.values()))
+    kill_and_wait(list(family.values()))
 
 
 @contextlib.contextmanager
