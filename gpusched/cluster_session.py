@@ -43,7 +43,12 @@ from gpusched.execution.cluster.driver import (
     send_start,
     start_agents,
 )
-from gpusched.execution.forkclient import EarlyServer, ForkServer, new_run_id
+from gpusched.execution.forkclient import (
+    EarlyServer,
+    ForkServer,
+    new_run_id,
+    server_start_timeout,
+)
 from gpusched.feed import Backlog, Feeder
 from gpusched.history import HISTORY_FILE, load_durations
 from gpusched.inventory import Card
@@ -378,7 +383,7 @@ def agent_config(
         code_root=settings.get("ray_shared"),
         fork_server=settings.get("fork_server", True),
         preload=tuple(settings.get("preload", ())),
-        server_timeout=settings["collect_timeout"],
+        server_timeout=server_start_timeout(settings["collect_timeout"]),
         gpu_release_timeout=settings["gpu_release_timeout"],
         gpu_release_memory=settings["gpu_release_memory"],
         coverage=coverage,

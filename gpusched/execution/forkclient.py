@@ -58,6 +58,17 @@ class ServerSpec:
     scratch: Path | None = None
 
 
+# The least a fork server is given to import pytest, its plugins and the preloads before the
+# run goes on without it. A slow machine can take longer than a small --collect-timeout for
+# that; falling back to a fresh process per file would cost the run far more than waiting.
+SERVER_START_MIN_S = 60.0
+
+
+def server_start_timeout(collect_timeout: float) -> float:
+    """How long a run waits for its fork server to be ready: the collection's bound, at least a minute."""
+    return max(float(collect_timeout), SERVER_START_MIN_S)
+
+
 def server_spec(
     paths: Sequence[str], settings: Mapping[str, Any], run_id: str, log_dir: Path
 ) -> ServerSpec | str:
@@ -74,7 +85,7 @@ def server_spec(
         os.environ,
         log_dir / "forkserver.log",
         run_id,
-        settings["collect_timeout"],
+        server_start_timeout(settings["collect_timeout"]),
     )
 
 

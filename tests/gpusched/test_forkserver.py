@@ -233,6 +233,22 @@ def test_an_unsafe_automatic_preload_is_dropped_and_the_server_kept(
     )
 
 
+def test_a_server_slower_to_start_than_a_small_collect_timeout_is_waited_for(
+    make_suite, run_gpusched
+):
+    # Its preload takes longer than --collect-timeout; that bounds the collection, which
+    # starts once the server is ready, and a loaded machine needs seconds for `import torch`.
+    make_suite(
+        {
+            "slowstart.py": "import time\ntime.sleep(3)\n",
+            "test_a.py": "import sys\n\ndef test_a():\n    assert 'slowstart' in sys.modules\n",
+        }
+    )
+    result = run_gpusched("run", ".", "--preload", "slowstart", "--collect-timeout", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fork server off" not in result.stdout
+
+
 def test_a_user_preload_that_does_not_import_is_named(make_suite, run_gpusched):
     make_suite({"test_a.py": "def test_a():\n    pass\n"})
     result = run_gpusched("run", ".", "--preload", "no_such_module_here")

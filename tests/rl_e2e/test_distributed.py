@@ -171,7 +171,7 @@ def test_the_timeout_counts_from_the_moment_every_rank_joined() -> None:
 def test_a_start_up_past_its_bound_names_the_ranks_that_never_joined() -> None:
     """With each rank's stack where its start-up hangs: here, unpickling an argument."""
     run_distributed(_sleep_briefly, 2, 0.0, timeout_s=hang_guard(60))  # the fork server is up
-    bound = hang_guard(1)
+    bound = hang_guard(2)  # each rank forked and at its argument; 1 s was short at load 17
     with pytest.raises(DistributedTimeoutError) as info:
         run_distributed(_sleep_briefly, 2, _SlowToUnpickle(3600, 0.5), startup_timeout_s=bound)
     err = info.value

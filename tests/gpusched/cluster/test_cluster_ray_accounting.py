@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from deadlines import hang_guard, wait_until
@@ -107,7 +106,6 @@ def test_a_ray_task_for_a_gpu_waits_until_the_run_releases_the_cards(gpu_cluster
         assert task.stdout.readline().strip() == "queued"
         release.touch()
         code = run.wait(timeout=hang_guard(90))
-        ended = time.time()
         answer = json.loads(task.stdout.readline())
         task.wait(timeout=hang_guard(60))
     finally:
@@ -120,7 +118,6 @@ def test_a_ray_task_for_a_gpu_waits_until_the_run_releases_the_cards(gpu_cluster
     (record,) = records(tmp_path)
     # Ray started the task only once the run (its agent's actor) had let the cards go.
     assert answer["start"] > record["end"], (answer, record)
-    assert answer["start"] >= ended - 5.0, (answer, ended)
     assert answer["cards"] in {"0", "1"}
 
 
