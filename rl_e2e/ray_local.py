@@ -3,7 +3,8 @@
 :func:`local_cluster` starts a new cluster only: ``address="local"`` (never the
 cluster ``RAY_ADDRESS`` or a stale address file points to; ``RAY_ADDRESS`` is
 removed while it runs), its own short temp dir (Ray's socket paths must stay
-under 107 bytes), no dashboard, bounded CPUs, and the given runtime env. It is
+under 107 bytes), no dashboard, bounded CPUs, and the given runtime env, without
+the helper processes such a cluster never uses (``rl_e2e.ray_lean``). It is
 shut down whatever happens, with ``ray.shutdown()`` and never ``ray stop``
 (which stops every cluster on the node); a reaper (``rl_e2e.reaper``) kills
 what is left of it, even after the test process was killed with SIGKILL.
@@ -29,6 +30,7 @@ from typing import Any
 
 from rl_e2e.coverage import WorkerCoverage, start_measuring
 from rl_e2e.distributed import tail_text
+from rl_e2e.ray_lean import lean_local_node
 from rl_e2e.ray_startup import init_local
 from rl_e2e.reaper import start_reaper
 
@@ -113,17 +115,20 @@ def local_cluster(
     os.environ.setdefault(_WORKER_NICENESS, "0")
     try:
         try:
-            context = init_local(
-                lambda: ray.init(
-                    address="local",  # never a cluster a crashed `ray start` recorded
-                    num_cpus=num_cpus,
-                    num_gpus=num_gpus,
-                    include_dashboard=False,
-                    runtime_env=measuring.runtime_env(runtime_env) if measuring else runtime_env,
-                    _temp_dir=str(temp_dir),
-                    **with_lazy_workers(init_kwargs),
+            with lean_local_node(log_to_driver=init_kwargs.get("log_to_driver", True)):
+                context = init_local(
+                    lambda: ray.init(
+                        address="local",  # never a cluster a crashed `ray start` recorded
+                        num_cpus=num_cpus,
+                        num_gpus=num_gpus,
+                        include_dashboard=False,
+                        runtime_env=(
+                            measuring.runtime_env(runtime_env) if measuring else runtime_env
+                        ),
+                        _temp_dir=str(temp_dir),
+                        **with_lazy_workers(init_kwargs),
+                    )
                 )
-            )
         finally:
             os.environ.pop(reaper.variable, None)  # the test's own children are not Ray's
             if default_niceness:

@@ -121,6 +121,7 @@ def _start_ray(cfg: Config, target: str | None, address: str | None) -> None:
     import ray
 
     from rl_e2e.netguard import apply_loopback_guard
+    from rl_e2e.ray_lean import lean_local_node
     from rl_e2e.ray_startup import init_local
     from trainer.launch.runtime_env import get_runtime_env
     from trainer.placement import local_cpus
@@ -131,23 +132,26 @@ def _start_ray(cfg: Config, target: str | None, address: str | None) -> None:
         # Submitted with `ray job submit` (or pointed at a cluster on purpose): join it.
         _join(target, address or target, common)
         return
-    # Started again where Ray's 30 s deadline for the node to register was missed (a busy machine).
-    init_local(
-        lambda: ray.init(
-            # "local": a fresh cluster, never the one a `ray start` recorded in
-            # ray_current_cluster (a crashed one leaves a stale address that fails this call).
-            address="local",
-            num_cpus=cfg.trainer.ray_num_cpus or local_cpus(cfg),
-            # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
-            # build_worker_groups then plans on them; trainer.device=cpu hides them from Ray.
-            num_gpus=0 if cfg.device_request == "cpu" else None,
-            include_dashboard=False,
-            # No idle workers started ahead for the driver: the run's workers carry its
-            # runtime env, so those could never serve them, and they cost CPU while Ray starts.
-            _system_config={"prestart_worker_first_driver": False},
-            **common,
+    # Started again where Ray's 30 s deadline for the node to register was missed (a busy machine),
+    # without the helper processes a one-run cluster never uses (rl_e2e.ray_lean).
+    with lean_local_node(log_to_driver=False):
+        init_local(
+            lambda: ray.init(
+                # "local": a fresh cluster, never the one a `ray start` recorded in
+                # ray_current_cluster (a crashed one leaves a stale address that fails this call).
+                address="local",
+                num_cpus=cfg.trainer.ray_num_cpus or local_cpus(cfg),
+                # None: Ray detects this node's GPUs (CUDA_VISIBLE_DEVICES and the driver), and
+                # build_worker_groups then plans on them; trainer.device=cpu hides them from Ray.
+                num_gpus=0 if cfg.device_request == "cpu" else None,
+                include_dashboard=False,
+                # No idle workers started ahead for the driver: the run's workers carry its
+                # runtime env, so those could never serve them, and they cost CPU while Ray
+                # starts.
+                _system_config={"prestart_worker_first_driver": False},
+                **common,
+            )
         )
-    )
 
 
 class _Background:
