@@ -48,10 +48,10 @@ def usage_stats_off() -> bool:
 
 
 @contextmanager
-def lean_local_node(*, log_to_driver: bool, include_dashboard: bool = False) -> Iterator[None]:
+def lean_local_node(*, log_to_driver: bool) -> Iterator[None]:
     """While the ``ray.init`` inside starts a head node: no autoscaler monitor, no log
     monitor unless ``log_to_driver``, and no dashboard process when it would be idle
-    (``include_dashboard`` false and usage stats off).
+    (that ``ray.init``'s ``include_dashboard=False``, and usage stats off).
 
     Only the node this process starts is changed, not one it joins; nothing is
     changed with ``RL_E2E_LEAN_RAY=0``.
@@ -66,7 +66,7 @@ def lean_local_node(*, log_to_driver: bool, include_dashboard: bool = False) -> 
         return
     original_init = Node.__init__
     original_api_server = getattr(Node, "start_api_server", None)
-    skip_dashboard = not include_dashboard and usage_stats_off()
+    stats_off = usage_stats_off()
 
     def init(self: Any, ray_params: Any, *args: Any, head: bool = False, **kwargs: Any) -> None:
         if head:
@@ -77,7 +77,8 @@ def lean_local_node(*, log_to_driver: bool, include_dashboard: bool = False) -> 
         original_init(self, ray_params, *args, head=head, **kwargs)
 
     def start_api_server(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not skip_dashboard:
+        # Ray passes the node's own include_dashboard; None (its default) starts the dashboard.
+        if not (stats_off and kwargs.get("include_dashboard") is False):
             original_api_server(self, *args, **kwargs)
 
     with _lock:
