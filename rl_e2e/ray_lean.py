@@ -13,7 +13,12 @@ training run never needs:
   it does nothing when usage stats are off (``RAY_USAGE_STATS_ENABLED=0``).
 
 Each costs about a core-second to start, and this repository's suite starts a
-cluster some 60 times (``docs/benchmarks.md``). ``ray start`` can leave out the
+cluster some 60 times (``docs/benchmarks.md``). The process that starts the
+node also pays for Ray's check whether its dashboard's packages are installed
+(``ray[default]`` or plain ``ray``, which decides the agent's ``--minimal``):
+Ray imports them all (aiohttp, grpc, OpenTelemetry, pydantic...), about 0.4
+core-seconds that process never uses again. :func:`dashboard_dependency_error`
+answers the same question by finding those packages without importing them. ``ray start`` can leave out the
 first two (``--no-monitor``, ``--include-log-monitor=False``); ``ray.init``
 cannot, so :func:`lean_local_node` sets the same fields of Ray's node
 parameters, and leaves out the idle dashboard, while one ``ray.init`` starts
@@ -22,13 +27,16 @@ its node. Ray versions that lack those hooks start their node unchanged.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-__all__ = ["LEAN_VARIABLE", "lean_local_node", "usage_stats_off"]
+__all__ = ["LEAN_VARIABLE", "dashboard_dependency_error", "lean_local_node", "usage_stats_off"]
 
 # "0": start the local node as Ray does, every helper included.
 LEAN_VARIABLE = "RL_E2E_LEAN_RAY"
@@ -47,11 +55,52 @@ def usage_stats_off() -> bool:
         return False
 
 
+def _optional_dependencies() -> list[str] | None:
+    """The top-level packages Ray's ``ray.dashboard.optional_deps`` imports, read from its
+    source; None where that module cannot be found or read."""
+    spec = importlib.util.find_spec("ray.dashboard.optional_deps")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module.split(".")[0])
+    return sorted(set(names))
+
+
+def dashboard_dependency_error(
+    find_spec: Any = importlib.util.find_spec,
+) -> ImportError | None:
+    """Ray's ``get_dashboard_dependency_error`` without importing the packages: None if every
+    package of ``ray[default]``'s dashboard is installed, else an ImportError naming one.
+
+    Where Ray's list of those packages cannot be read, they are imported, as Ray does.
+    """
+    names = _optional_dependencies()
+    if names is None:  # Ray's own way: import them
+        try:
+            import ray.dashboard.optional_deps  # noqa: F401
+        except ImportError as missing:
+            return missing
+        return None
+    for name in names:
+        if find_spec(name) is None:
+            return ImportError(f"No module named {name!r}", name=name)
+    return None
+
+
 @contextmanager
 def lean_local_node(*, log_to_driver: bool) -> Iterator[None]:
     """While the ``ray.init`` inside starts a head node: no autoscaler monitor, no log
     monitor unless ``log_to_driver``, and no dashboard process when it would be idle
-    (that ``ray.init``'s ``include_dashboard=False``, and usage stats off).
+    (that ``ray.init``'s ``include_dashboard=False``, and usage stats off); Ray's check
+    of the dashboard's packages finds them instead of importing them.
 
     Only the node this process starts is changed, not one it joins; nothing is
     changed with ``RL_E2E_LEAN_RAY=0``.
@@ -60,12 +109,14 @@ def lean_local_node(*, log_to_driver: bool) -> Iterator[None]:
         yield
         return
     try:
+        import ray._private.utils as ray_utils
         from ray._private.node import Node
-    except ImportError:  # a Ray without that module: its node as it comes
+    except ImportError:  # a Ray without those modules: its node as it comes
         yield
         return
     original_init = Node.__init__
     original_api_server = getattr(Node, "start_api_server", None)
+    original_check = getattr(ray_utils, "get_dashboard_dependency_error", None)
     stats_off = usage_stats_off()
 
     def init(self: Any, ray_params: Any, *args: Any, head: bool = False, **kwargs: Any) -> None:
@@ -85,9 +136,13 @@ def lean_local_node(*, log_to_driver: bool) -> Iterator[None]:
         Node.__init__ = init
         if original_api_server is not None:
             Node.start_api_server = start_api_server
+        if original_check is not None:
+            ray_utils.get_dashboard_dependency_error = dashboard_dependency_error
         try:
             yield
         finally:
             Node.__init__ = original_init
             if original_api_server is not None:
                 Node.start_api_server = original_api_server
+            if original_check is not None:
+                ray_utils.get_dashboard_dependency_error = original_check

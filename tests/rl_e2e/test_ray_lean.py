@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+
 import psutil
 import pytest
 from deadlines import wait_until
 
-from rl_e2e.ray_lean import LEAN_VARIABLE, lean_local_node, usage_stats_off
+from rl_e2e.ray_lean import (
+    LEAN_VARIABLE,
+    dashboard_dependency_error,
+    lean_local_node,
+    usage_stats_off,
+)
 from rl_e2e.ray_local import local_cluster
 
 HELPERS = {
@@ -15,6 +22,15 @@ HELPERS = {
     "dashboard": "dashboard/dashboard.py",
 }
 ALWAYS = {"gcs": "gcs_server", "raylet": "/raylet", "dashboard agent": "dashboard/agent.py"}
+
+
+def _agent_cmdline(temp_dir) -> str:
+    """The command line of the dashboard agent of the node in ``temp_dir``."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(temp_dir) in cmdline and ALWAYS["dashboard agent"] in cmdline:
+            return cmdline
+    raise AssertionError(f"no dashboard agent runs for {temp_dir}")
 
 
 def _processes_of(temp_dir) -> set[str]:
@@ -42,7 +58,13 @@ def test_a_node_without_log_to_driver_runs_without_the_three_helpers(monkeypatch
     import ray
 
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    imported_before = {"aiohttp", "pydantic"} & set(sys.modules)
     with local_cluster({}, num_cpus=1, log_to_driver=False) as cluster:
+        # The dashboard's packages were found, not imported, as the node started (Ray's
+        # serialization imports pydantic at the first task); the agent is the full one,
+        # as Ray's own check says for this installation (ray[default]).
+        assert {"aiohttp", "pydantic"} & set(sys.modules) == imported_before
+        assert "--minimal" not in _agent_cmdline(cluster.temp_dir)
         assert ray.get(ray.remote(_square()).remote(3)) == 9
         assert _processes_of(cluster.temp_dir) == set(ALWAYS)
 
@@ -71,15 +93,34 @@ def test_usage_stats_on_keeps_the_dashboard_process(monkeypatch):
 
 
 def test_switched_off_and_after_its_block_ray_s_node_is_as_it_comes(monkeypatch):
+    import ray._private.utils as ray_utils
     from ray._private.node import Node
 
-    original = Node.__init__, Node.start_api_server
+    def patched():
+        return Node.__init__, Node.start_api_server, ray_utils.get_dashboard_dependency_error
+
+    original = patched()
     with lean_local_node(log_to_driver=False):
-        assert Node.__init__ is not original[0]
-    assert (Node.__init__, Node.start_api_server) == original
+        assert all(now is not then for now, then in zip(patched(), original, strict=True))
+    assert patched() == original
     monkeypatch.setenv(LEAN_VARIABLE, "0")
     with lean_local_node(log_to_driver=False):
-        assert (Node.__init__, Node.start_api_server) == original
+        assert patched() == original
+
+
+def test_the_dependency_check_answers_as_ray_s_and_names_a_missing_package():
+    import importlib.util
+
+    import ray._private.utils as ray_utils
+
+    assert ray_utils.get_dashboard_dependency_error() is None  # ray[default] is installed
+    assert dashboard_dependency_error() is None
+
+    def without_pydantic(name):
+        return None if name == "pydantic" else importlib.util.find_spec(name)
+
+    missing = dashboard_dependency_error(find_spec=without_pydantic)
+    assert isinstance(missing, ImportError) and missing.name == "pydantic"
 
 
 @pytest.mark.parametrize(("value", "off"), [("0", True), ("1", False), ("yes", False)])
