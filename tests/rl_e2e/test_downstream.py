@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOWNSTREAM = REPO / "examples" / "downstream"
 GPUSCHED = str(Path(sys.executable).with_name("gpusched"))
 MARK_VAR = "DOWNSTREAM_RUN_MARK"  # every process a run starts inherits it
+KEPT_RAY_VARS = {"RAY_USAGE_STATS_ENABLED"}
 
 
 @dataclass
@@ -91,10 +92,12 @@ def _start(*command: str, output: Path) -> Started:
     """Start ``command`` in the downstream repository, on CPU, with a Ray temp root of its own."""
     mark = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="ds", dir="/tmp")  # short: Ray's socket paths
+    # Ray's usage-stats choice is the machine's (``ray disable-usage-stats`` writes it for
+    # all runs), not this session's: kept, an idle dashboard is not started for each cluster.
     env = {
         name: value
         for name, value in os.environ.items()
-        if not name.startswith(("PYTEST_", "GPUSCHED_", "RAY_"))
+        if not name.startswith(("PYTEST_", "GPUSCHED_", "RAY_")) or name in KEPT_RAY_VARS
     }
     env.update({MARK_VAR: mark, "RAY_TMPDIR": ray_tmp, "CUDA_VISIBLE_DEVICES": ""})
     with output.open("w") as out:

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -216,20 +217,47 @@ def _clean(project: Path) -> None:
         path.unlink()
 
 
-def test_pytest_cov_covers_the_test_process_a_task_an_actor_and_ranks(project, tmp_path):
-    """Into a data file of the session's own elsewhere, as gpusched gives each test file."""
+@dataclass
+class PytestCovRun:
+    """What one ``pytest --cov=pkg`` session of both test files left: its data file (in a
+    directory of its own), what else that directory and the project held right after it,
+    and what each place saw."""
+
+    data: Path
+    beside_data: list[str]
+    in_project: list[str]
+    seen: dict[str, object]
+
+
+@pytest.fixture(scope="module")
+def pytest_cov_run(project: Path, tmp_path_factory: pytest.TempPathFactory) -> PytestCovRun:
+    """``pytest --cov=pkg`` on test_work.py (a task, actors, ranks) and test_job.py (a
+    submitted job) in one session, into a data file of the session's own elsewhere, as
+    gpusched gives each test file. The tests below read different parts of its data."""
     _clean(project)
-    data = tmp_path / "file1" / ".coverage"
+    base = tmp_path_factory.mktemp("pytest_cov")
+    data = base / "file1" / ".coverage"
     data.parent.mkdir()
-    seen_dir = tmp_path / "seen"
-    command = [sys.executable, "-m", "pytest", "--cov=pkg", "-q", "test_work.py"]
+    seen_dir = base / "seen"
+    command = [sys.executable, "-m", "pytest", "--cov=pkg", "-q", "test_work.py", "test_job.py"]
     _run(project, *command, seen=seen_dir, data=data)
-    # Only the job's line and the line nothing calls are missing.
-    assert _missing(project, data) == _lines("not run") | _lines("job")
-    # pytest-cov combined the workers' and ranks' files: nothing else is left behind.
-    assert [p.name for p in data.parent.iterdir()] == [".coverage"]
-    assert not list(project.glob(".coverage*"))
-    seen = _seen(seen_dir)
+    return PytestCovRun(
+        data=data,
+        beside_data=[p.name for p in data.parent.iterdir()],
+        in_project=[p.name for p in project.glob(".coverage*")],
+        seen=_seen(seen_dir),
+    )
+
+
+def test_pytest_cov_covers_the_test_process_a_task_an_actor_and_ranks(project, pytest_cov_run):
+    """Into a data file of the session's own elsewhere, as gpusched gives each test file."""
+    run = pytest_cov_run
+    # Only the line nothing calls is missing (the job's line ran, in the submitted job).
+    assert _missing(project, run.data) == _lines("not run")
+    # pytest-cov combined the workers', ranks' and job's files: nothing else is left behind.
+    assert run.beside_data == [".coverage"]
+    assert run.in_project == []
+    seen = run.seen
     assert seen["task"]["variable"] and all(rank["variable"] for rank in seen["ranks"])
     assert seen["test"]["variable"] is None  # the test process's own env is left alone
     assert CONFIG_VARIABLE not in seen["cluster_runtime_env"].get("env_vars", {})
@@ -260,14 +288,12 @@ def test_with_coverage_off_nothing_is_imported_or_set(project, tmp_path):
     assert not list(project.glob(".coverage*"))
 
 
-def test_a_submitted_job_is_covered_from_ray_s_copy_of_its_working_dir(project, tmp_path):
-    _clean(project)
-    _run(project, sys.executable, "-m", "pytest", "--cov=pkg", "-q", "test_job.py", seen=tmp_path)
+def test_a_submitted_job_is_covered_from_ray_s_copy_of_its_working_dir(project, pytest_cov_run):
     # The job's driver ran pkg/job.py and its worker in_job, both from Ray's
     # copy of the working dir: mapped back to the project.
-    missing = _missing(project)
+    missing = _missing(project, pytest_cov_run.data)
     assert not missing & _lines("job")
-    cov = coverage.Coverage(data_file=str(project / ".coverage"), config_file=False)
+    cov = coverage.Coverage(data_file=str(pytest_cov_run.data), config_file=False)
     cov.load()
     _, statements, _, job_missing, _ = cov.analysis2(str(project / "pkg" / "job.py"))
     assert statements and not job_missing
