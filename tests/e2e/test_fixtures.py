@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,24 +68,32 @@ def e2e_ray_host_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
     return {HOOK_DIR_VAR: str(tmp_path_factory.mktemp("hooks"))}
 
 
-def _probes(n: int = 2) -> list:
-    return [Probe.remote() for _ in range(n)]
+@pytest.fixture(scope="class")
+def probes(e2e_ray) -> Iterator[list]:
+    """Two probes for the tests of a class: each is a worker process of the class's cluster,
+    started with its runtime env (and hook), and only reports; one per test cost a worker
+    process each. Up before a test's leftovers snapshot (which would otherwise kill a probe
+    still being created as the test's own), killed when the class ends."""
+    made = [Probe.remote() for _ in range(2)]
+    ray.get([probe.pid.remote() for probe in made])
+    yield made
+    for probe in made:
+        ray.kill(probe)
 
 
 @pytest.mark.parametrize("e2e_ray", [{"host_env": FORWARDED}], indirect=True, ids=["fwd"])
 class TestForwardedEnvAndHook:
-    def test_forwarded_hf_home_reaches_worker(self, e2e_ray):
-        probe = Probe.remote()
+    def test_forwarded_hf_home_reaches_worker(self, e2e_ray, probes):
+        probe = probes[0]
         assert ray.get(probe.env.remote("HF_HOME")) == HF_HOME_VALUE
 
-    def test_defaults_reach_worker(self, e2e_ray):
-        probe = Probe.remote()
+    def test_defaults_reach_worker(self, e2e_ray, probes):
+        probe = probes[1]
         env_vars = e2e_ray.runtime_env["env_vars"]
         for name in ("NCCL_DEBUG", "TOKENIZERS_PARALLELISM", "NCCL_CUMEM_ENABLE"):
             assert ray.get(probe.env.remote(name)) == env_vars[name], name
 
-    def test_extra_hook_runs_in_every_worker(self, e2e_ray, e2e_ray_host_env):
-        probes = _probes()
+    def test_extra_hook_runs_in_every_worker(self, e2e_ray, e2e_ray_host_env, probes):
         pids = set(ray.get([p.pid.remote() for p in probes]))
         pids |= set(ray.get([task_pid.remote() for _ in range(4)]))
         ran = {
@@ -102,13 +111,12 @@ class TestForwardedEnvAndHook:
     "e2e_ray", [{"host_env": EXCLUDED_AND_FAILING}], indirect=True, ids=["excl"]
 )
 class TestExcludedEnvAndFailingHook:
-    def test_excluded_hf_home_does_not_reach_worker(self, e2e_ray):
+    def test_excluded_hf_home_does_not_reach_worker(self, e2e_ray, probes):
         assert "HF_HOME" not in e2e_ray.runtime_env["env_vars"]
-        probe = Probe.remote()
+        probe = probes[0]
         assert ray.get(probe.env.remote("HF_HOME")) != HF_HOME_VALUE
 
-    def test_failing_hook_leaves_workers_alive(self, e2e_ray, e2e_ray_host_env):
-        probes = _probes()
+    def test_failing_hook_leaves_workers_alive(self, e2e_ray, e2e_ray_host_env, probes):
         pids = ray.get([p.pid.remote() for p in probes])
         # Alive: each actor answers again after its hook failed.
         assert ray.get([p.pid.remote() for p in probes]) == pids
