@@ -56,11 +56,10 @@ TINY = (
 
 @pytest.fixture(scope="module")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.models import ensure_tiny_model
-
-    cache = tmp_path_factory.mktemp("cache")
-    ensure_tiny_model(cache_dir=cache)
-    return cache
+    """The module's ``TRAINER_CACHE``: the first run that trains builds the tiny model in it
+    (``ensure_tiny_model``, in a process that imports torch anyway), the others find it.
+    Built here it cost this process the import of torch and transformers (5 core-s)."""
+    return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="module")
