@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -107,9 +106,8 @@ class JobCluster:
             return sent
         status = ""
         while time.monotonic() < deadline:
-            asked = self._ray(["job", "status", "--address", self.url, submission_id], deadline)
-            status = job_status(asked.stdout + asked.stderr) or status
-            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            status = self._status(submission_id) or status
+            if status in FINAL_STATUSES:
                 break
             time.sleep(1)
         logs = self._ray(["job", "logs", "--address", self.url, submission_id], deadline)
@@ -119,6 +117,23 @@ class JobCluster:
             stdout=f"{logs.stdout}\njob {submission_id}: {status or 'no status before the deadline'}\n",
             stderr=sent.stderr + logs.stderr,
         )
+
+    def _status(self, submission_id: str) -> str | None:
+        """The job's status as its job server's REST API gives it (what ``ray job status``
+        asks for); None while the server does not answer.
+
+        Asked over HTTP, not with the ``ray`` CLI: each CLI call is a Python process
+        importing Ray, 1-2 core-seconds, and a job is polled every second.
+        """
+        request = urllib.request.Request(
+            f"{self.url}/api/jobs/{submission_id}",
+            headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=STATUS_TIMEOUT_S) as reply:
+                return job_status(reply.read())
+        except OSError:  # not up yet, or a request dropped under load: asked again
+            return None
 
     def _ray(
         self, args: Sequence[str], deadline: float, accept: Sequence[str] = ()
@@ -140,6 +155,11 @@ class JobCluster:
             time.sleep(1)
 
 
+# A job's statuses after which it runs no more (Ray's JobStatus).
+FINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
+# Seconds to wait for the job server's answer to one status request.
+STATUS_TIMEOUT_S = 10
+
 # What a job server still starting up, or dropping a request under load, answers.
 _TRANSIENT = (
     "No available agent",
@@ -151,16 +171,15 @@ _TRANSIENT = (
 )
 
 
-def job_status(text: str) -> str | None:
-    """The job status ``ray job status`` printed: ``SUCCEEDED``, ``FAILED``, ``STOPPED``,
-    ``PENDING`` or ``RUNNING`` (Ray 2.60 prints "Job 'ID' succeeded" for the final ones)."""
-    final = re.search(r"Job '[^']*' (succeeded|failed|was stopped)", text)
-    if final:
-        return {"succeeded": "SUCCEEDED", "failed": "FAILED", "was stopped": "STOPPED"}[
-            final.group(1)
-        ]
-    running = re.search(r"Status for job '[^']*': (\w+)", text)
-    return running.group(1) if running else None
+def job_status(reply: bytes | str) -> str | None:
+    """The status in the job server's answer to ``GET /api/jobs/ID``: ``PENDING``,
+    ``RUNNING``, ``SUCCEEDED``, ``FAILED`` or ``STOPPED``; None if the answer holds none."""
+    try:
+        details = json.loads(reply)
+    except ValueError:
+        return None
+    status = details.get("status") if isinstance(details, dict) else None
+    return status if status in (*FINAL_STATUSES, "PENDING", "RUNNING") else None
 
 
 def cluster_env(token: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
