@@ -126,7 +126,9 @@ def _fail_rank1(directory: Path, rank: int) -> None:
 def save_run(
     rank: int, world: int, model_dir: str, batches: list[TensorDict], prompts: TensorDict, out: str
 ) -> dict:
-    """Train, save (sync), record the state; then an async save racing the next step; then a failing one."""
+    """Train, save (sync), record the state; then an async save racing the next step; then
+    :func:`ddp_roundtrip`'s save to ``out/ddp`` (the same 2 ranks, a model of its own);
+    then a failing save."""
     from trainer.checkpoints.export import write_hf_files
     from trainer.workers.state import CheckpointSaver, CheckpointWriteError, set_write_hook
 
@@ -152,6 +154,10 @@ def save_run(
     saver.wait()
     result["async_model"] = at_save
     result["moved_on"] = fsdp.full_state_dict(model)
+
+    # The plain (ddp) strategy's save, here to spare a 2-rank start of its own: everything
+    # recorded above is final, and the failing save below is the last collective work.
+    result["ddp"] = ddp_roundtrip(rank, world, model_dir, str(Path(out) / "ddp"), False)
 
     # A background write that fails on rank 1: an error at wait, naming the checkpoint.
     set_write_hook(_fail_rank1)

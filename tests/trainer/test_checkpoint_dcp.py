@@ -4,7 +4,8 @@ One 2-rank run (:func:`checkpoint_ranks.save_run`) trains the tiny model with
 AdamW, saves it with ``torch.distributed.checkpoint`` (every rank its shard),
 records the saved state gathered in memory, the next step's metrics and the
 actor's greedy tokens, then saves asynchronously while the next update changes
-the parameters, and finally has a background write fail on rank 1. The other
+the parameters, saves a model of the plain (ddp) strategy, and finally has a
+background write fail on rank 1. The other
 tests resume that checkpoint on 1, 2 and 4 ranks, corrupt copies of it, kill a
 rank mid-save, and export it to a Hugging Face directory.
 """
@@ -52,8 +53,10 @@ def model_dir(tmp_path_factory) -> str:
     return str(ensure_tiny_model(cache_dir=tmp_path_factory.mktemp("cache")))
 
 
-def _batch(model_dir: str, seed: int) -> TensorDict:
-    """A rollout-shaped batch: varied response lengths, off-policy log-probs, advantages."""
+def _batch(actor: torch.nn.Module, seed: int) -> TensorDict:
+    """A rollout-shaped batch: varied response lengths, off-policy log-probs, advantages.
+
+    ``actor`` is the tiny model as loaded (``compute_log_probs`` changes nothing in it)."""
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(7, 20, (ROWS, 5), generator=gen)
     pmask = torch.ones(ROWS, 5, dtype=torch.long)
@@ -62,7 +65,7 @@ def _batch(model_dir: str, seed: int) -> TensorDict:
         if n < R:
             responses[i, n] = 2
     td = finish_responses(prompts, pmask, responses, R, eos_token_id=2, pad_token_id=0)
-    td["old_log_probs"], _ = compute_log_probs(build_actor(model_dir), td, 1.0, 64)
+    td["old_log_probs"], _ = compute_log_probs(actor, td, 1.0, 64)
     td["old_log_probs"] += 0.05 * torch.randn(ROWS, R, generator=gen)
     td["advantages"] = torch.randn(ROWS, R, generator=gen) * td["response_mask"]
     return td
@@ -76,7 +79,9 @@ def prompts(model_dir) -> TensorDict:
 @pytest.fixture(scope="module")
 def saved(model_dir, prompts, tmp_path_factory):
     """(batches, rank outputs, output dir) of the 2-rank save run."""
-    batches = [_batch(model_dir, seed) for seed in (1, 2, 3)]
+    actor = build_actor(model_dir)  # loaded once for the three batches
+    batches = [_batch(actor, seed) for seed in (1, 2, 3)]
+    del actor
     out = tmp_path_factory.mktemp("saved")
     ranks = run_distributed(
         checkpoint_ranks.save_run,
@@ -86,7 +91,7 @@ def saved(model_dir, prompts, tmp_path_factory):
         prompts,
         str(out),
         backend="gloo",
-        timeout_s=hang_guard(120),
+        timeout_s=hang_guard(120 + 60),  # the ddp round trip's 60 s, now run within it
     )
     return batches, ranks, out
 
@@ -362,24 +367,18 @@ def test_split_and_merge_restore_the_optimizer_state_dict():
 # ----------------------------------------------------------------- plain (ddp) strategy
 
 
-def test_the_ddp_strategy_goes_through_the_same_files(model_dir, tmp_path):
+def test_the_ddp_strategy_goes_through_the_same_files(model_dir, saved):
+    """The 2-rank ddp save (:func:`checkpoint_ranks.ddp_roundtrip`, run within the save run)."""
     from trainer.workers.state import load_training_state
 
-    ranks = run_distributed(
-        checkpoint_ranks.ddp_roundtrip,
-        2,
-        model_dir,
-        str(tmp_path),
-        False,
-        backend="gloo",
-        timeout_s=hang_guard(60),
-    )
-    assert {p.name for p in (tmp_path / "actor").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+    _, ranks, out = saved
+    ddp = ranks[0]["ddp"]
+    assert {p.name for p in (out / "ddp" / "actor").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
     model, opt, sched = checkpoint_ranks.build(model_dir, strategy="ddp")
-    load_training_state(tmp_path, "actor", 0, model, opt, sched)  # one process, no group
-    _assert_same_tree(dict(model.state_dict()), ranks[0]["model"], "model")
-    _assert_same_tree(opt.state_dict()["state"], ranks[0]["optim"], "optim")
-    assert sched.state_dict() == ranks[0]["sched"]
+    load_training_state(out / "ddp", "actor", 0, model, opt, sched)  # one process, no group
+    _assert_same_tree(dict(model.state_dict()), ddp["model"], "model")
+    _assert_same_tree(opt.state_dict()["state"], ddp["optim"], "optim")
+    assert sched.state_dict() == ddp["sched"]
 
 
 # ----------------------------------------------------------------- export

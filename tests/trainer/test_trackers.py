@@ -152,14 +152,15 @@ def assert_rows_equal(got: Rows, want: Rows, rel: float, tracker: str) -> None:
 TOLERANCE = {"tensorboard": 1e-6, "wandb": 1e-12, "mlflow": 1e-12}  # TensorBoard keeps float32
 
 
-def read_back(tracker: str, run_dir: Path) -> Rows:
-    """Every step ``tracker`` holds for the run (W&B: all its offline files, which must agree)."""
+def read_back(tracker: str, run_dir: Path, wandb: list[tuple[str, Rows]] | None = None) -> Rows:
+    """Every step ``tracker`` holds for the run (W&B: all its offline files, which must agree;
+    ``wandb``: what :func:`wandb_files` read of them already, else they are read now)."""
     if tracker == "tensorboard":
         return tensorboard_rows(run_dir)
     if tracker == "mlflow":
         return mlflow_rows(run_dir)
     merged: Rows = {}
-    for _, rows in wandb_files(run_dir):
+    for _, rows in wandb_files(run_dir) if wandb is None else wandb:
         assert not set(rows) & set(merged), "W&B: a step in two offline files"
         merged.update(rows)
     return merged
@@ -366,10 +367,12 @@ def test_a_resumed_cli_run_logs_every_step_once_to_every_tracker(trainer_cli, tm
 
     jsonl = jsonl_rows(run_dir)
     assert sorted(jsonl) == [1, 2, 3, 4, 5, 6] and "val/reward_mean" in jsonl[4]
+    wandb = wandb_files(run_dir)  # one `wandb leet inspect` a file, for both checks below
     for tracker in TRACKERS:
-        assert_rows_equal(read_back(tracker, run_dir), jsonl, TOLERANCE[tracker], tracker)
+        got = read_back(tracker, run_dir, wandb)
+        assert_rows_equal(got, jsonl, TOLERANCE[tracker], tracker)
 
-    assert [run_id for run_id, _ in wandb_files(run_dir)] == [ids["wandb"]] * 2
+    assert [run_id for run_id, _ in wandb] == [ids["wandb"]] * 2
     client, run = mlflow_run(run_dir)
     assert run.info.run_name == run_dir.name and run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == "trackers-e2e"
