@@ -49,18 +49,52 @@ def _emptied(folder: str, quiet_bound_s: float) -> None:
         raise AssertionError(f"{exc}; left: {sorted(os.listdir(folder))}") from None
 
 
-def test_files_spread_over_nodes_on_node_local_cards(cluster_shared, tmp_path):
-    gpus = [4, 4, 2, 2, 2, 1, 1, 1, 0, 0]
-    files = {f"test_f{i}.py": recording_file(tmp_path, n, 1.5) for i, n in enumerate(gpus)}
+GPUS = [4, 4, 2, 2, 2, 1, 1, 1, 0, 0]  # test_f0.py ... test_f9.py: the recording files
+
+
+# Logs a file's niceness (test_files_run_at_the_nodes_niceness_not_ray_workers), outside
+# the measured package: the coverage figures stay those of pkg alone.
+NICENESS_LINES = """
+    with open({log!r}, "a") as out:
+        out.write(json.dumps(os.nice(0)) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_run(cluster_shared, tmp_path_factory):
+    """One ``gpusched run --ray`` read by three tests (same cluster, same agents): the 10
+    recording files and an 8-card file (spread over nodes), 5 files importing a package
+    measured with coverage (combined from every node), the 1-card and the CPU one of which
+    also log their niceness."""
+    root = tmp_path_factory.mktemp("run")
+    files = {f"test_f{i}.py": recording_file(root, n, 1.5) for i, n in enumerate(GPUS)}
     files["test_huge.py"] = "import pytest\n\n@pytest.mark.gpu(8)\ndef test_huge():\n    pass\n"
-    write_suite(tmp_path, files)
+    (root / "pkg").mkdir()
+    (root / "pkg" / "__init__.py").write_text("")
+    for i, gpus in enumerate([4, 4, 2, 1, 0]):
+        (root / "pkg" / f"m{i}.py").write_text(f"def f(x):\n    if x:\n        return {i}\n")
+        marker = f"@pytest.mark.gpu({gpus})" if gpus else ""
+        nice = NICENESS_LINES.format(log=str(root / "nice.jsonl")) if gpus <= 1 else ""
+        files[f"test_m{i}.py"] = (
+            f"import json, os\nimport pytest\nfrom pkg.m{i} import f\n\n{marker}\n"
+            f"def test_f():\n    assert f(1) == {i}\n{nice}"
+        )
+    write_suite(root, files)
     result = gpusched(
-        tmp_path, "run", ".", "--ray", cluster_shared.address,
+        root, "run", ".", "--ray", cluster_shared.address,
         "--json", "report.json", "--junitxml", "junit.xml", "--timeline", "timeline.html",
+        "--", "--cov=pkg", "--cov-report=term-missing",
     )  # fmt: skip
+    return root, result
+
+
+def test_files_spread_over_nodes_on_node_local_cards(shared_run):
+    tmp_path, result = shared_run
+    gpus = GPUS
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
-    assert result.stdout.splitlines()[-1] == "gpusched: 10 passed, 0 failed, 1 skipped", out
+    # 10 recording files + 5 coverage files passed; the 8-card file skipped.
+    assert result.stdout.splitlines()[-1] == "gpusched: 15 passed, 0 failed, 1 skipped", out
     report = json.loads((tmp_path / "report.json").read_text())
     by_file = {entry["path"].rsplit("/", 1)[-1]: entry for entry in report["files"]}
     huge = by_file["test_huge.py"]
@@ -232,30 +266,13 @@ def test_plan_predicts_the_makespan_across_nodes(cluster_shared, tmp_path):
     assert len({line.split("[")[1].split(" gpu")[0] for line in schedule}) == 3
 
 
-NICENESS_TEST = """
-    import json, os, pytest
-
-    {marker}
-    def test_niceness():
-        with open({log!r}, "a") as out:
-            out.write(json.dumps(os.nice(0)) + "\\n")
-"""
-
-
-def test_files_run_at_the_nodes_niceness_not_ray_workers(cluster_shared, tmp_path):
+def test_files_run_at_the_nodes_niceness_not_ray_workers(shared_run):
     """Ray starts its workers at niceness 15; the agent's files would starve beside the
-    node's other processes (and time out where they pass locally)."""
-    log = tmp_path / "nice.jsonl"
-    write_suite(
-        tmp_path,
-        {
-            "test_gpu.py": NICENESS_TEST.format(marker="@pytest.mark.gpu(1)", log=str(log)),
-            "test_cpu.py": NICENESS_TEST.format(marker="", log=str(log)),
-        },
-    )
-    result = gpusched(tmp_path, "run", ".", "--ray", cluster_shared.address)
+    node's other processes (and time out where they pass locally). Read from the run of
+    ``shared_run``: its 1-card file and a CPU file log their niceness."""
+    root, result = shared_run
     assert result.returncode == 0, result.stdout + result.stderr
-    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    seen = [json.loads(line) for line in (root / "nice.jsonl").read_text().splitlines()]
     # The raylets inherited this process's niceness: the files have the same (not 15 more).
     assert seen == [os.nice(0)] * 2
 
@@ -356,22 +373,8 @@ def test_files_start_while_collecting_and_a_changed_requirement_is_placed_again(
     assert "test_gate.py" in cache["files"]  # collected this time: remembered
 
 
-def test_coverage_of_every_node_is_combined_on_the_drivers_paths(cluster_shared, tmp_path):
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "__init__.py").write_text("")
-    files = {}
-    for i, gpus in enumerate([4, 4, 2, 1, 0]):
-        (tmp_path / "pkg" / f"m{i}.py").write_text(f"def f(x):\n    if x:\n        return {i}\n")
-        marker = f"@pytest.mark.gpu({gpus})" if gpus else ""
-        files[f"test_m{i}.py"] = (
-            f"import pytest\nfrom pkg.m{i} import f\n\n{marker}\n"
-            f"def test_f():\n    assert f(1) == {i}\n"
-        )
-    write_suite(tmp_path, files)
-    result = gpusched(
-        tmp_path, "run", ".", "--ray", cluster_shared.address, "--",
-        "--cov=pkg", "--cov-report=term-missing",
-    )  # fmt: skip
+def test_coverage_of_every_node_is_combined_on_the_drivers_paths(shared_run):
+    tmp_path, result = shared_run
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert result.stdout.count("tests coverage") == 1, out
