@@ -125,10 +125,7 @@ class JobCluster:
         Asked over HTTP, not with the ``ray`` CLI: each CLI call is a Python process
         importing Ray, 1-2 core-seconds, and a job is polled every second.
         """
-        request = urllib.request.Request(
-            f"{self.url}/api/jobs/{submission_id}",
-            headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"},
-        )
+        request = _authorized(f"{self.url}/api/jobs/{submission_id}", self.env["RAY_AUTH_TOKEN"])
         try:
             with urllib.request.urlopen(request, timeout=STATUS_TIMEOUT_S) as reply:
                 return job_status(reply.read())
@@ -195,6 +192,11 @@ def cluster_env(token: str, base: Mapping[str, str] | None = None) -> dict[str, 
     return env
 
 
+def _authorized(url: str, token: str) -> urllib.request.Request:
+    """A GET of ``url`` on the cluster's dashboard, with its token."""
+    return urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+
+
 def _wait_until_up(
     url: str, token: str, head: subprocess.Popen, log: Path, since: int, timeout_s: float
 ) -> bool:
@@ -207,9 +209,7 @@ def _wait_until_up(
     Raises:
         JobClusterError: not up within ``timeout_s``, or the dashboard refuses the token.
     """
-    request = urllib.request.Request(
-        f"{url}/api/version", headers={"Authorization": f"Bearer {token}"}
-    )
+    request = _authorized(f"{url}/api/version", token)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if head.poll() is not None:

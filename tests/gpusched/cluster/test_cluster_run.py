@@ -90,7 +90,6 @@ def shared_run(cluster_shared, tmp_path_factory):
 
 def test_files_spread_over_nodes_on_node_local_cards(shared_run):
     tmp_path, result = shared_run
-    gpus = GPUS
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     # 10 recording files + 5 coverage files passed; the 8-card file skipped.
@@ -103,14 +102,14 @@ def test_files_spread_over_nodes_on_node_local_cards(shared_run):
     assert huge["message"].endswith(") has 4")
 
     ran = records(tmp_path)
-    assert len(ran) == len(gpus)
+    assert len(ran) == len(GPUS)
     nodes = {_node_of(r["tag"]) for r in ran}
     assert len(nodes) == 3, f"files ran on {nodes} only"
     for r in ran:
         entry = by_file[r["file"]]
         cards = [c for c in r["cards"].split(",") if c]
         assert cards == entry["cards"], (r, entry)  # the child's own cards are the reported ones
-        assert len(cards) == gpus[int(r["file"][6:-3])]
+        assert len(cards) == GPUS[int(r["file"][6:-3])]
         assert entry["node"].endswith(_node_of(r["tag"])), (r, entry)
         small = f"{entry['node']} (2 simulated cards" in result.stdout
         assert set(cards) <= ({"0", "1"} if small else {"0", "1", "2", "3"}), (r, entry)
