@@ -19,9 +19,12 @@ from gpusched.execution.proctree import TAG_VARIABLE, kill_job
 DAEMON = """
 import os, sys, time
 os.setsid()
+parent = os.getpid()
 if os.fork():
     os._exit(0)
 os.setpgrp()
+while os.getppid() == parent:  # orphaned only once the forking parent has exited
+    time.sleep(0.01)
 open(sys.argv[1], "w").write(str(os.getpid()))
 time.sleep(300)
 """
