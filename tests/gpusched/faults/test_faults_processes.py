@@ -118,24 +118,36 @@ def test_crashes_keep_finished_outcomes_and_the_run_goes_on(checked):
 
 QUITTER = """
 import os, sys, time
-# A helper in the job's process group that ends 0.2 s after starting (as multiprocessing's
-# resource tracker ends when its parent is gone), next to one that would linger.
-for pause in (0.2, 300):
-    if os.fork() == 0:
-        time.sleep(pause)
-        os._exit(0)
+from pathlib import Path
+# A helper in the job's process group that ends by itself 1 s after the kill began (as
+# multiprocessing's resource tracker ends when its parent is gone), next to one that would linger.
+go = Path(sys.argv[1])
+if os.fork() == 0:
+    while not go.exists():
+        time.sleep(0.02)
+    time.sleep(1.0)
+    os._exit(0)
+if os.fork() == 0:
+    time.sleep(300)
+    os._exit(0)
 """
 
 
 @pytest.mark.timeout(hang_guard(60))
-def test_settle_window_does_not_count_helpers_that_end_by_themselves():
+def test_settle_window_does_not_count_helpers_that_end_by_themselves(tmp_path):
     tag = f"settle-{time.monotonic_ns()}"
+    go = tmp_path / "go"
     root = subprocess.Popen(
-        [sys.executable, "-c", QUITTER], env={**os.environ, TAG_VARIABLE: tag}, process_group=0
+        [sys.executable, "-c", QUITTER, str(go)],
+        env={**os.environ, TAG_VARIABLE: tag},
+        process_group=0,
     )
     assert root.wait(30) == 0  # pytest itself has exited; its two helpers are still alive
     try:
-        report = kill_job(None, root.pid, tag, grace=1.0, settle=1.0)
+        # The quitter ends 1 s after this, inside the 3 s window: seen by the first scan
+        # however slow the machine is, and gone before the kill.
+        go.touch()
+        report = kill_job(None, root.pid, tag, grace=1.0, settle=3.0)
         assert report.survivors == ()
         assert report.found == 1, "only the lingering helper was left behind"
         assert len(report.pids) == 2 and alive(sorted(report.pids)) == []
