@@ -44,6 +44,8 @@ from rl_e2e.ray_local import short_temp_root
 __all__ = ["JobCluster", "JobClusterError", "head_cluster"]
 
 RAY = str(Path(sys.executable).with_name("ray"))
+# `ray start` with more than Ray's fixed 30 s for the node to register (a busy machine).
+RAY_START = [sys.executable, "-m", "rl_e2e.patient_ray", "start"]
 
 _PORT_OPTIONS = (
     "--port",
@@ -308,8 +310,7 @@ def head_cluster(
             temp_dir = root / str(attempt)
             temp_dir.mkdir()
             command = [
-                RAY,
-                "start",
+                *RAY_START,
                 "--head",
                 "--block",
                 "--node-ip-address=127.0.0.1",

@@ -21,6 +21,7 @@ from ray import cloudpickle
 from ray.util.placement_group import placement_group_table
 
 from rl_e2e.ray_local import with_lazy_workers
+from rl_e2e.ray_startup import node_start_wait, patient_node_start
 from trainer.controller import (
     Dispatch,
     InfeasibleError,
@@ -149,15 +150,17 @@ def _two_node_cluster(num_cpus: int = 4, num_gpus: int = 4):
     # cards), and Ray refuses to fake GPUs that the variable hides: drop it here.
     with mock.patch.dict(os.environ):
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        cluster = Cluster(
-            initialize_head=True,
-            # The trainer's workers are actors: idle workers started ahead would serve none.
-            head_node_args=with_lazy_workers(
-                {"num_cpus": num_cpus, "num_gpus": num_gpus, "include_dashboard": False}
-            ),
-        )
+        with patient_node_start(node_start_wait()):  # a busy machine's raylets are slow
+            cluster = Cluster(
+                initialize_head=True,
+                # The trainer's workers are actors: idle workers started ahead would serve none.
+                head_node_args=with_lazy_workers(
+                    {"num_cpus": num_cpus, "num_gpus": num_gpus, "include_dashboard": False}
+                ),
+            )
         try:
-            cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)
+            with patient_node_start(node_start_wait()):
+                cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)
             ray.init(address=cluster.address)
             cluster.wait_for_nodes()
             yield cluster

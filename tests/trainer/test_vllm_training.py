@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 from deadlines import hang_guard, wait_until
 from test_vllm_engine import _cpu_vllm  # noqa: E402  (same skip rule)
-from trainer_processes import TAG, assert_all_gone, tagged, trainer_process, wait_for_first_step
+from trainer_processes import (
+    TAG,
+    assert_all_gone,
+    output_of_ended,
+    tagged,
+    trainer_process,
+    wait_for_first_step,
+)
 from vllm_faults import assert_in_sync
 
 pytestmark = pytest.mark.skipif(_cpu_vllm() is not None, reason=str(_cpu_vllm()))
@@ -97,7 +104,7 @@ def _first_rows(driver: subprocess.Popen, run_dir: Path, n: int) -> list[dict]:
         400,  # the separate 4-step run had hang_guard(400) for all of it
         f"{n} steps",
     )
-    assert driver.poll() is None, driver.communicate()[0]
+    assert driver.poll() is None, output_of_ended(driver)
     return _metrics(run_dir)[:n]
 
 

@@ -70,6 +70,14 @@ def trainer_process(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Pop
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def output_of_ended(driver: subprocess.Popen) -> str:
+    """The output of a driver that has ended; the same text to every caller (the module
+    fixtures share one driver between tests, and a pipe can be read to its end once)."""
+    if not hasattr(driver, "ended_output"):
+        driver.ended_output = driver.communicate()[0]
+    return driver.ended_output
+
+
 def wait_for_first_step(driver: subprocess.Popen, run_dir: Path) -> None:
     """Until the run has logged a step; fails with the driver's output if it ended first."""
     metrics = run_dir / "metrics.jsonl"
@@ -78,4 +86,4 @@ def wait_for_first_step(driver: subprocess.Popen, run_dir: Path) -> None:
         300,
         "the first step",
     )
-    assert driver.poll() is None, driver.communicate()[0]
+    assert driver.poll() is None, output_of_ended(driver)

@@ -29,8 +29,14 @@ from deadlines import hang_guard
 
 from gpusched.execution.childenv import PortPool
 from gpusched.execution.proctree import processes_where
+from rl_e2e.ray_job import RAY_START
 from rl_e2e.ray_local import with_lazy_workers
-from rl_e2e.ray_startup import ATTEMPTS, NODE_START_TIMEOUT
+from rl_e2e.ray_startup import (
+    ATTEMPTS,
+    NODE_START_TIMEOUT,
+    node_start_wait,
+    patient_node_start,
+)
 from rl_e2e.reaper import kill_and_wait
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -88,25 +94,27 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
         for name, value in {**RAY_ENV, "RAY_TMPDIR": temp_dir}.items():
             patch.setenv(name, value)
         patch.delenv("RAY_ADDRESS", raising=False)
-        cluster = Cluster(
-            initialize_head=True,
-            # No idle workers started ahead for a driver: gpusched's node agents are actors
-            # with workers of their own (with_lazy_workers, as rl_e2e's clusters).
-            head_node_args=with_lazy_workers(
-                {
-                    "num_cpus": 1,
-                    "num_gpus": 0,  # see _ray_args: Ray counts no card, the node simulates its own
-                    "include_dashboard": False,
-                    "env_vars": dict(nodes[0]),
-                    # A new dict: Ray writes this cluster's spilling directory into it, and the
-                    # next cluster would spill into (and create again) this one's, gone by then.
-                    "_system_config": dict(FAST_HEALTH),
-                }
-            ),
-        )
+        with patient_node_start(node_start_wait()):
+            cluster = Cluster(
+                initialize_head=True,
+                # No idle workers started ahead for a driver: gpusched's node agents are actors
+                # with workers of their own (with_lazy_workers, as rl_e2e's clusters).
+                head_node_args=with_lazy_workers(
+                    {
+                        "num_cpus": 1,
+                        "num_gpus": 0,  # see _ray_args: Ray counts no card, the node simulates its own
+                        "include_dashboard": False,
+                        "env_vars": dict(nodes[0]),
+                        # A new dict: Ray writes this cluster's spilling directory into it, and the
+                        # next cluster would spill into (and create again) this one's, gone by then.
+                        "_system_config": dict(FAST_HEALTH),
+                    }
+                ),
+            )
         try:
-            for env in nodes[1:]:
-                cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
+            with patient_node_start(node_start_wait()):
+                for env in nodes[1:]:
+                    cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
             cluster.wait_for_nodes()
             yield cluster
         finally:
@@ -148,7 +156,8 @@ def cluster_shared():
 @contextlib.contextmanager
 def extra_node(cluster, env: Mapping[str, str]) -> Iterator:
     """One more node in ``cluster`` for the block; removed (killed) at its end if still there."""
-    node = cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
+    with patient_node_start(node_start_wait()):
+        node = cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
     cluster.wait_for_nodes()
     family = node_processes(node)  # a test may kill the raylet: its agents are found now
     try:
@@ -221,7 +230,7 @@ class StartedCluster:
             env["RAY_AUTH_MODE"] = "token"
         self.nodes += 1
         return subprocess.Popen(
-            [str(Path(sys.executable).parent / "ray"), "start", "--address", self.address,
+            [*RAY_START, "--address", self.address,
              "--num-cpus", "1", "--temp-dir", str(self.home / f"n{self.nodes}"),
              *_node_ports(), *_ray_args(node)],
             env=env,
@@ -278,7 +287,7 @@ def _ray_start(args: Sequence[str], env: Mapping[str, str]) -> str | None:
     """``ray start``: None if it started, its output if it missed Ray's own deadline for the
     node to register (a busy machine: the caller stops what it left and starts again)."""
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "ray"), "start", *args],
+        [*RAY_START, *args],
         env=dict(env),
         capture_output=True,
         text=True,
