@@ -238,13 +238,15 @@ def test_a_server_slower_to_start_than_a_small_collect_timeout_is_waited_for(
 ):
     # Its preload takes longer than --collect-timeout; that bounds the collection, which
     # starts once the server is ready, and a loaded machine needs seconds for `import torch`.
+    # (5 s, not less: beside two busy processes at a slow hour, collecting this one file
+    # took more than 2 s.)
     make_suite(
         {
-            "slowstart.py": "import time\ntime.sleep(3)\n",
+            "slowstart.py": "import time\ntime.sleep(8)\n",
             "test_a.py": "import sys\n\ndef test_a():\n    assert 'slowstart' in sys.modules\n",
         }
     )
-    result = run_gpusched("run", ".", "--preload", "slowstart", "--collect-timeout", "2")
+    result = run_gpusched("run", ".", "--preload", "slowstart", "--collect-timeout", "5")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fork server off" not in result.stdout
 
