@@ -8,14 +8,14 @@ Every other command and option is Ray's own.
 
 from __future__ import annotations
 
-from rl_e2e.ray_startup import node_start_wait, patient_node_start
+from rl_e2e.ray_startup import patient_node_start
 
 
 def main() -> None:
     """Run Ray's CLI on this process's arguments inside the patient node start."""
     from ray.scripts.scripts import main as ray_main
 
-    with patient_node_start(node_start_wait()):
+    with patient_node_start():
         ray_main()
 
 

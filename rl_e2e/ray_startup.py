@@ -72,9 +72,10 @@ def node_start_wait(environ: dict[str, str] | None = None) -> float:
 
 
 @contextmanager
-def patient_node_start(wait_s: float) -> Iterator[None]:
-    """While inside, a node this process starts has ``wait_s`` seconds (at least Ray's 30) to
-    register with its GCS before Ray gives up on it.
+def patient_node_start(wait_s: float | None = None) -> Iterator[None]:
+    """While inside, a node this process starts has ``wait_s`` seconds (default
+    :func:`node_start_wait`; at least Ray's 30) to register with its GCS before Ray gives
+    up on it.
 
     Ray's wait asks ``ray._private.services.get_node`` until the node is known and
     gives up once 30 s have passed after a failed ask; each ask here keeps asking
@@ -90,16 +91,17 @@ def patient_node_start(wait_s: float) -> Iterator[None]:
     if original is None:
         yield
         return
-    first: list[float] = []
+    wait = node_start_wait() if wait_s is None else wait_s
+    first: float | None = None
 
     def get_node(*args: Any, **kwargs: Any) -> Any:
-        if not first:
-            first.append(time.monotonic())
+        nonlocal first
+        first = time.monotonic() if first is None else first
         while True:
             try:
                 return original(*args, **kwargs)
             except RuntimeError:  # not registered yet (Ray's own loop catches the same)
-                if time.monotonic() - first[0] >= wait_s:
+                if time.monotonic() - first >= wait:
                     raise
                 time.sleep(_POLL_S)
 
@@ -128,14 +130,14 @@ def init_local(
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     wait = node_start_wait() if wait_s is None else wait_s
-    for attempt in range(1, attempts):
+    for attempt in range(1, attempts + 1):
         before = _descendants()
         try:
             with patient_node_start(wait):
                 return init()
         except Exception as error:
-            if not is_node_start_timeout(error):
-                raise
+            if not is_node_start_timeout(error) or attempt == attempts:
+                raise  # the last attempt's error is the caller's
             _log.warning(
                 "Ray's node did not register within %.0f s (attempt %d of %d, a busy machine?):"
                 " starting it again",
@@ -147,8 +149,7 @@ def init_local(
                 stop_attempt()
             else:
                 kill_and_wait([proc for proc in _descendants() if proc not in before])
-    with patient_node_start(wait):
-        return init()  # the last attempt: its error is the caller's
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _descendants() -> set[Any]:

@@ -21,7 +21,7 @@ from ray import cloudpickle
 from ray.util.placement_group import placement_group_table
 
 from rl_e2e.ray_local import with_lazy_workers
-from rl_e2e.ray_startup import node_start_wait, patient_node_start
+from rl_e2e.ray_startup import patient_node_start
 from trainer.controller import (
     Dispatch,
     InfeasibleError,
@@ -150,7 +150,7 @@ def _two_node_cluster(num_cpus: int = 4, num_gpus: int = 4):
     # cards), and Ray refuses to fake GPUs that the variable hides: drop it here.
     with mock.patch.dict(os.environ):
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        with patient_node_start(node_start_wait()):  # a busy machine's raylets are slow
+        with patient_node_start():  # a busy machine's raylets are slow
             cluster = Cluster(
                 initialize_head=True,
                 # The trainer's workers are actors: idle workers started ahead would serve none.
@@ -159,7 +159,7 @@ def _two_node_cluster(num_cpus: int = 4, num_gpus: int = 4):
                 ),
             )
         try:
-            with patient_node_start(node_start_wait()):
+            with patient_node_start():
                 cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus)
             ray.init(address=cluster.address)
             cluster.wait_for_nodes()

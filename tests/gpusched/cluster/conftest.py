@@ -34,7 +34,6 @@ from rl_e2e.ray_local import with_lazy_workers
 from rl_e2e.ray_startup import (
     ATTEMPTS,
     NODE_START_TIMEOUT,
-    node_start_wait,
     patient_node_start,
 )
 from rl_e2e.reaper import kill_and_wait
@@ -94,7 +93,7 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
         for name, value in {**RAY_ENV, "RAY_TMPDIR": temp_dir}.items():
             patch.setenv(name, value)
         patch.delenv("RAY_ADDRESS", raising=False)
-        with patient_node_start(node_start_wait()):
+        with patient_node_start():
             cluster = Cluster(
                 initialize_head=True,
                 # No idle workers started ahead for a driver: gpusched's node agents are actors
@@ -112,7 +111,7 @@ def ray_cluster(nodes: Sequence[Mapping[str, str]]) -> Iterator:
                 ),
             )
         try:
-            with patient_node_start(node_start_wait()):
+            with patient_node_start():
                 for env in nodes[1:]:
                     cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
             cluster.wait_for_nodes()
@@ -156,7 +155,7 @@ def cluster_shared():
 @contextlib.contextmanager
 def extra_node(cluster, env: Mapping[str, str]) -> Iterator:
     """One more node in ``cluster`` for the block; removed (killed) at its end if still there."""
-    with patient_node_start(node_start_wait()):
+    with patient_node_start():
         node = cluster.add_node(num_cpus=1, num_gpus=0, env_vars=dict(env))
     cluster.wait_for_nodes()
     family = node_processes(node)  # a test may kill the raylet: its agents are found now
